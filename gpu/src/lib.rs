@@ -1,0 +1,1 @@
+//! CUDA kernels for the Mamba-2 SSD forward (to come).

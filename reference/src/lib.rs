@@ -1,0 +1,99 @@
+//! CPU reference for the Mamba-2 SSD (state space duality) forward pass, the function computed
+//! by mamba_ssm 2.3.2.post1's `mamba_chunk_scan_combined`.
+//!
+//! Two algorithms compute it:
+//! - [`naive`]: the time-step recurrence, exactly as the fixture contract states it. In float64
+//!   this is the ground truth every other path is checked against.
+//! - [`chunked`]: the chunked "jump formula", stage by stage as the GPU kernels run it
+//!   ([`chunk_cumsum`], [`fwd_pass_state`], [`compute_out`]), with every intermediate returned.
+//!
+//! Both are generic over `f32` and `f64` ([`Real`]) and parallel over independent work with
+//! rayon's global pool. The chunked path can round every matrix-product operand to TF32
+//! ([`MatmulPrecision::Tf32`]) to emulate a correct TF32 tensor-core kernel.
+//! `docs/math.md` in the repository derives every equation.
+
+pub mod chunk_cumsum;
+pub mod chunked;
+pub mod compute_out;
+pub mod fwd_pass_state;
+pub mod naive;
+pub mod problem;
+pub mod tf32;
+
+use ndarray::{Array4, Array5};
+
+pub use chunked::ChunkedOutput;
+pub use problem::{Dims, Inputs, Options, Problem};
+
+/// The one error type of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum ReferenceError {
+    /// Sizes, options or tensors that do not describe a valid problem; the message names the
+    /// tensor (and the index, for a bad value).
+    #[error("invalid problem: {0}")]
+    InvalidProblem(String),
+}
+
+/// The float types the reference computes in: `f32` and `f64`.
+pub trait Real:
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + std::iter::Sum
+    + std::fmt::Debug
+    + std::fmt::Display
+    + Default
+    + Send
+    + Sync
+    + 'static
+{
+    /// Converts an `f64` literal or value (rounding to nearest for `f32`).
+    fn lit(v: f64) -> Self;
+    /// Widens to `f64` (exact).
+    fn as_f64(self) -> f64;
+}
+
+impl Real for f64 {
+    #[inline]
+    fn lit(v: f64) -> Self {
+        v
+    }
+    #[inline]
+    fn as_f64(self) -> f64 {
+        self
+    }
+}
+
+impl Real for f32 {
+    #[inline]
+    fn lit(v: f64) -> Self {
+        v as f32
+    }
+    #[inline]
+    fn as_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+/// How the chunked path rounds the operands of its matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulPrecision {
+    /// Operands as they are, in `T`.
+    #[default]
+    Native,
+    /// Every operand rounded to TF32 (10 explicit mantissa bits, round to nearest, ties away from
+    /// zero, as `cvt.rna.tf32.f32` does) before the product; accumulation stays in `T`.
+    /// Meant for `T = f32`: a correct TF32 tensor-core kernel computes this.
+    Tf32,
+}
+
+/// The two outputs every implementation produces.
+#[derive(Debug, Clone)]
+pub struct Output<T> {
+    /// `y` (gated by `z` when given): `[batch, seqlen, nheads, headdim]`.
+    pub out: Array4<T>,
+    /// State after the last token of each row: `[batch, nheads, headdim, dstate]`.
+    pub final_states: Array4<T>,
+}
+
+/// Shape helper for `[batch, nchunks, nheads, headdim, dstate]` tensors.
+pub type ChunkStates<T> = Array5<T>;

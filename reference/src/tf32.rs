@@ -1,0 +1,1 @@
+//! TF32 rounding of matrix-product operands. STUB.

@@ -1,0 +1,1 @@
+//! Verification: fixtures, tolerance model and the ssd-oracle command line.
