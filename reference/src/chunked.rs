@@ -17,7 +17,10 @@ pub struct ChunkedOutput<T> {
 
 impl<T> ChunkedOutput<T> {
     pub fn into_output(self) -> Output<T> {
-        Output { out: self.out, final_states: self.final_states }
+        Output {
+            out: self.out,
+            final_states: self.final_states,
+        }
     }
 }
 

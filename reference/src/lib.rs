@@ -18,6 +18,7 @@ pub mod compute_out;
 pub mod fwd_pass_state;
 pub mod naive;
 pub mod problem;
+pub mod random;
 pub mod tf32;
 
 use ndarray::{Array4, Array5};

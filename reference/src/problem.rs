@@ -165,7 +165,9 @@ impl<T: Real> Problem<T> {
 
     /// Converts every tensor to another float type (seq_idx is kept as is).
     pub fn cast<U: Real>(&self) -> Problem<U> {
-        fn c<U: Real, T: Real, D: ndarray::Dimension>(a: &ndarray::Array<T, D>) -> ndarray::Array<U, D> {
+        fn c<U: Real, T: Real, D: ndarray::Dimension>(
+            a: &ndarray::Array<T, D>,
+        ) -> ndarray::Array<U, D> {
             a.mapv(|v| U::lit(v.as_f64()))
         }
         let i = &self.inputs;
@@ -255,7 +257,9 @@ fn validate<T: Real>(dims: &Dims, options: &Options, i: &Inputs<T>) -> Result<()
         ("dstate", dstate),
     ] {
         if v == 0 {
-            return Err(invalid(format!("dims.{name} is 0: every size must be at least 1")));
+            return Err(invalid(format!(
+                "dims.{name} is 0: every size must be at least 1"
+            )));
         }
     }
     if nheads % ngroups != 0 {
@@ -295,7 +299,11 @@ fn validate<T: Real>(dims: &Dims, options: &Options, i: &Inputs<T>) -> Result<()
         check_shape("dt_bias", bias.shape(), &[nheads])?;
     }
     if let Some(s) = &i.initial_states {
-        check_shape("initial_states", s.shape(), &[batch, nheads, headdim, dstate])?;
+        check_shape(
+            "initial_states",
+            s.shape(),
+            &[batch, nheads, headdim, dstate],
+        )?;
     }
     if let Some(s) = &i.seq_idx {
         check_shape("seq_idx", s.shape(), &[batch, seqlen])?;
