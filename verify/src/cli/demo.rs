@@ -1,0 +1,396 @@
+//! The built-in demonstration: what `ssd-oracle` (so `cargo run --release`) does with no
+//! arguments.
+//!
+//! Random problems of built-in shapes, from tiny to a realistic Mamba-2 layer, go through every
+//! implementation available; each result is compared with the float64 naive recurrence (the
+//! ground truth) and timed.
+
+use std::process::ExitCode;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use ndarray::{ArrayBase, Data, Dimension};
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use ssd_reference::{Dims, Options};
+use ssd_verify::fixture::Outputs;
+use ssd_verify::VerifyError;
+
+use super::run::{fmt_ms, ms};
+use super::{compute, gpu_available, Impl, Precision, Prepared};
+
+/// Run the built-in demonstration.
+#[derive(Debug, Default, clap::Args)]
+pub struct Args {
+    /// Only the small shapes (a fraction of a second).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// A built-in shape: a random problem and what it exercises.
+struct Shape {
+    title: &'static str,
+    spec: ProblemSpec,
+    seed: u64,
+    /// Left out by `--quick`.
+    large: bool,
+}
+
+/// One implementation run and compared with the truth.
+struct Path {
+    label: &'static str,
+    imp: Impl,
+    precision: Precision,
+    /// The largest normwise relative error that counts as agreement.
+    limit: f64,
+    /// Why the limit is what it is, in words.
+    why: &'static str,
+}
+
+fn dims(
+    batch: usize,
+    seqlen: usize,
+    nheads: usize,
+    headdim: usize,
+    ngroups: usize,
+    dstate: usize,
+) -> Dims {
+    Dims {
+        batch,
+        seqlen,
+        nheads,
+        headdim,
+        ngroups,
+        dstate,
+    }
+}
+
+fn shapes() -> Vec<Shape> {
+    let mut edges = ProblemSpec::full(dims(2, 37, 6, 3, 3, 5), 64);
+    edges.d = DSkip::PerHead;
+    edges.seq_idx = SeqIdx::Segments {
+        segments: 2,
+        first: 1,
+    };
+    let mut resets = ProblemSpec::full(dims(2, 200, 4, 16, 2, 8), 16);
+    resets.seq_idx = SeqIdx::AtChunkStarts { every: 3 };
+    let mut bench = ProblemSpec::plain(dims(2, 2048, 8, 64, 8, 64));
+    bench.options = Options {
+        chunk_size: 64,
+        ..Options::default()
+    };
+    vec![
+        Shape {
+            title: "tiny, every option",
+            spec: ProblemSpec::full(dims(1, 10, 2, 4, 1, 4), 4),
+            seed: 1,
+            large: false,
+        },
+        Shape {
+            title: "one partial chunk (chunk_size > seqlen), 3 groups, D per head, initial state unused (seq_idx starts at 1)",
+            spec: edges,
+            seed: 2,
+            large: false,
+        },
+        Shape {
+            title: "ragged seqlen, sequences reset exactly at chunk starts",
+            spec: resets,
+            seed: 3,
+            large: false,
+        },
+        Shape {
+            title: "benchmark shape (docs/performance.md), plain options",
+            spec: bench,
+            seed: 4,
+            large: true,
+        },
+        Shape {
+            title: "a realistic Mamba-2 layer, every option",
+            spec: ProblemSpec::full(dims(1, 2048, 24, 64, 1, 128), 256),
+            seed: 5,
+            large: true,
+        },
+    ]
+}
+
+fn paths() -> Vec<Path> {
+    let mut paths = vec![
+        Path {
+            label: "chunked f64",
+            imp: Impl::Chunked,
+            precision: Precision::F64,
+            limit: 1e-12,
+            why: "same function, float64 rounding only",
+        },
+        Path {
+            label: "chunked f32",
+            imp: Impl::Chunked,
+            precision: Precision::F32,
+            limit: 1e-4,
+            why: "float32 rounding",
+        },
+        Path {
+            label: "chunked tf32",
+            imp: Impl::Chunked,
+            precision: Precision::Tf32,
+            limit: 1e-2,
+            why: "TF32 rounding of the matrix products",
+        },
+    ];
+    if gpu_available().is_ok() {
+        paths.push(Path {
+            label: "gpu tf32",
+            imp: Impl::Gpu,
+            precision: Precision::Tf32,
+            limit: 1e-2,
+            why: "TF32 tensor cores",
+        });
+    }
+    paths
+}
+
+/// `||a - b|| / ||b||` (Frobenius norms; `||a - b||` when `b` is all zeros) and
+/// `max |a - b|`. NaN anywhere in `a` gives NaN.
+fn compare<S, T, D>(a: &ArrayBase<S, D>, b: &ArrayBase<T, D>) -> (f64, f64)
+where
+    S: Data<Elem = f64>,
+    T: Data<Elem = f64>,
+    D: Dimension,
+{
+    let (mut diff2, mut ref2, mut max) = (0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b.iter()) {
+        let d = x - y;
+        diff2 += d * d;
+        ref2 += y * y;
+        max = if d.is_nan() || max.is_nan() {
+            f64::NAN
+        } else {
+            max.max(d.abs())
+        };
+    }
+    let rel = if ref2 > 0.0 {
+        (diff2 / ref2).sqrt()
+    } else {
+        diff2.sqrt()
+    };
+    (rel, max)
+}
+
+fn describe_dims(spec: &ProblemSpec) -> String {
+    let d = &spec.dims;
+    let c = spec.options.chunk_size;
+    let nchunks = d.nchunks(c);
+    let ragged = if nchunks * c == d.seqlen {
+        String::new()
+    } else {
+        ", the last one partial".to_string()
+    };
+    format!(
+        "batch {} x seqlen {}, {} heads x headdim {}, dstate {}, {} group{} ({} heads each), chunk_size {} ({} chunk{}{ragged})",
+        d.batch,
+        d.seqlen,
+        d.nheads,
+        d.headdim,
+        d.dstate,
+        d.ngroups,
+        if d.ngroups == 1 { "" } else { "s" },
+        d.heads_per_group(),
+        c,
+        nchunks,
+        if nchunks == 1 { "" } else { "s" },
+    )
+}
+
+fn describe_options(spec: &ProblemSpec) -> String {
+    let o = &spec.options;
+    let mut parts = Vec::new();
+    parts.push(match (o.dt_softplus, spec.dt_bias) {
+        (true, true) => "dt' = softplus(dt + dt_bias)".to_string(),
+        (true, false) => "dt' = softplus(dt)".to_string(),
+        (false, true) => "dt' = dt + dt_bias".to_string(),
+        (false, false) => "dt' = dt".to_string(),
+    });
+    let hi = if o.dt_limit.1.is_finite() {
+        format!("{}", o.dt_limit.1)
+    } else {
+        "inf".to_string()
+    };
+    parts.push(format!("clamped to [{}, {hi}]", o.dt_limit.0));
+    match spec.d {
+        DSkip::None => {}
+        DSkip::PerHead => parts.push("D per head".into()),
+        DSkip::PerChannel => parts.push("D per channel".into()),
+    }
+    if spec.z {
+        parts.push("z gate".into());
+    }
+    if spec.initial_states {
+        parts.push("initial_states".into());
+    }
+    match spec.seq_idx {
+        SeqIdx::None => {}
+        SeqIdx::Segments { segments, first } => parts.push(format!(
+            "seq_idx: up to {segments} sequences per row, numbered from {first}"
+        )),
+        SeqIdx::AtChunkStarts { every } => parts.push(format!(
+            "seq_idx: a new sequence every {} tokens",
+            every * spec.options.chunk_size
+        )),
+    }
+    parts.join(", ")
+}
+
+/// Runs the demonstration; exit status 0 when every comparison agrees, 1 otherwise.
+///
+/// # Errors
+/// Not expected (the built-in problems are valid); any [`VerifyError`] from the computation.
+pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
+    let shapes: Vec<Shape> = shapes()
+        .into_iter()
+        .filter(|s| !(args.quick && s.large))
+        .collect();
+    let paths = paths();
+    let threads = rayon::current_num_threads();
+
+    println!("ssd-oracle: a CPU oracle for Mamba-2 SSD kernels (the forward pass of mamba_ssm's mamba_chunk_scan_combined).");
+    println!();
+    println!("This demonstration draws random problems of {} built-in shapes and computes each in independent ways:", shapes.len());
+    println!("  - naive f64: the recurrence token by token, exactly as the spec states it, in float64. This is the ground truth.");
+    println!("  - chunked:   the chunked jump formula GPU kernels use (chunk_cumsum, fwd_pass_state, compute_out),");
+    println!("               in float64, in float32, and in float32 with every matrix-product operand rounded to TF32");
+    println!("               (what a correct TF32 tensor-core kernel computes).");
+    match gpu_available() {
+        Ok(()) => println!("  - gpu:       the CUDA kernels on this machine's GPU."),
+        Err(e) => println!("  - gpu:       skipped ({e})."),
+    }
+    println!("Each result is compared with the truth on `out` (y, gated) and `final_states` (the state after the last token):");
+    println!("rel err = ||result - truth|| / ||truth|| over the whole tensor, max abs = the largest |result - truth|.");
+    println!(
+        "Times are the computation alone, on {threads} thread{}.",
+        if threads == 1 { "" } else { "s" }
+    );
+
+    let steps = (shapes.len() * (paths.len() + 1)) as u64;
+    let pb = ProgressBar::new(steps);
+    pb.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+
+    let mut compared = 0usize;
+    let mut disagreements = Vec::new();
+    for (k, shape) in shapes.iter().enumerate() {
+        pb.set_message(format!("{}: drawing the problem", shape.title));
+        let problem = random_problem(&shape.spec, shape.seed)
+            .map_err(|e| VerifyError::Usage(format!("built-in shape `{}`: {e}", shape.title)))?;
+        pb.set_message(format!("{}: naive f64", shape.title));
+        let (truth, truth_time) = compute(&Prepared::F64(&problem), Impl::Naive, Precision::F64)?;
+        pb.inc(1);
+
+        let mut rows = Vec::new();
+        for path in &paths {
+            pb.set_message(format!("{}: {}", shape.title, path.label));
+            let prepared = Prepared::new(&problem, path.precision);
+            let (result, took) = compute(&prepared, path.imp, path.precision)?;
+            pb.inc(1);
+            rows.push((path, took, verdict(&result, &truth, path.limit)));
+        }
+
+        pb.suspend(|| {
+            println!();
+            println!("[{}/{}] {}", k + 1, shapes.len(), shape.title);
+            println!("      {}", describe_dims(&shape.spec));
+            println!("      options: {}", describe_options(&shape.spec));
+            println!(
+                "      {:<14} {:>10}   {:>9} {:>9}   {:>9} {:>9}   verdict",
+                "path", "time", "out rel", "max abs", "final rel", "max abs"
+            );
+            println!(
+                "      {:<14} {:>7} ms   (the truth)",
+                "naive f64",
+                fmt_ms(ms(truth_time))
+            );
+            for (path, took, v) in &rows {
+                let word = if v.agrees { "agrees" } else { "DISAGREES" };
+                println!(
+                    "      {:<14} {:>7} ms   {:>9.1e} {:>9.1e}   {:>9.1e} {:>9.1e}   {word} (rel err < {:.0e}: {})",
+                    path.label,
+                    fmt_ms(ms(*took)),
+                    v.out.0,
+                    v.out.1,
+                    v.final_states.0,
+                    v.final_states.1,
+                    path.limit,
+                    path.why,
+                );
+            }
+        });
+        for (path, _, v) in &rows {
+            compared += 1;
+            if !v.agrees {
+                disagreements.push(format!("{} on `{}`", path.label, shape.title));
+            }
+        }
+    }
+    pb.finish_and_clear();
+
+    println!();
+    if disagreements.is_empty() {
+        println!(
+            "All {compared} comparisons agree: the chunked jump formula (the algorithm of the GPU kernels) computes the same\n\
+             function as the token-by-token recurrence, to float64 rounding, and its float32 and TF32 versions stay within\n\
+             the rounding error of their arithmetic, on every shape and option above."
+        );
+        println!();
+        println!("Next: `ssd-oracle run --help` computes your own case (docs/fixture-format.md, docs/pytorch.md);");
+        println!("`cargo test --release --workspace` runs the full test suite.");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!(
+            "{} of {compared} comparisons DISAGREE: {}. This is a bug in the reference: please report it.",
+            disagreements.len(),
+            disagreements.join("; ")
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+struct Verdict {
+    out: (f64, f64),
+    final_states: (f64, f64),
+    agrees: bool,
+}
+
+fn verdict(result: &Outputs<f64>, truth: &Outputs<f64>, limit: f64) -> Verdict {
+    let out = compare(&result.out, &truth.out);
+    let final_states = compare(&result.final_states, &truth.final_states);
+    // `<=` is false for NaN, so a NaN anywhere disagrees.
+    let agrees = out.0 <= limit && final_states.0 <= limit;
+    Verdict {
+        out,
+        final_states,
+        agrees,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn compare_measures_relative_and_absolute() {
+        let truth = array![3.0, 4.0];
+        let (rel, max) = compare(&array![3.0, 4.5], &truth);
+        assert!((rel - 0.1).abs() < 1e-15);
+        assert_eq!(max, 0.5);
+        let (rel, max) = compare(&array![f64::NAN, 4.0], &truth);
+        assert!(rel.is_nan() && max.is_nan());
+        let (rel, _) = compare(&array![0.0, 2.0], &array![0.0, 0.0]);
+        assert_eq!(rel, 2.0);
+    }
+
+    #[test]
+    fn every_built_in_shape_is_valid() {
+        for s in shapes() {
+            random_problem(&s.spec, s.seed).unwrap_or_else(|e| panic!("{}: {e}", s.title));
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! The `ssd-oracle` command line: one variant of [`Command`] per subcommand, each handled in
+//! `cli/<name>.rs` by a `run(&Args) -> Result<ExitCode, VerifyError>`.
+//!
+//! Errors reach the user as one line, `error: <message>`, on stderr, with exit status 2
+//! ("unusable input"); 1 is kept for verdicts ("the candidate is wrong").
+
+pub mod demo;
+pub mod run;
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use ssd_reference::{chunked, naive, MatmulPrecision, Problem};
+use ssd_verify::fixture::{FloatDtype, Outputs};
+use ssd_verify::VerifyError;
+
+const ABOUT: &str = "An oracle for Mamba-2 SSD kernels: the forward pass of mamba_ssm's \
+mamba_chunk_scan_combined, computed on the CPU.";
+
+const AFTER_HELP: &str = "With no subcommand, runs the built-in demonstration (same as `ssd-oracle demo`).\n\
+Cases use the ssd-fixture/1 format (a JSON manifest plus a safetensors file): see docs/fixture-format.md.";
+
+#[derive(Debug, Parser)]
+#[command(name = "ssd-oracle", version, about = ABOUT, after_help = AFTER_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+/// One variant per subcommand.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Compute a case with one implementation and write its outputs to a safetensors file.
+    Run(run::Args),
+    /// Compare the implementations on built-in random problems, from tiny to a realistic
+    /// Mamba-2 layer (what runs with no arguments).
+    Demo(demo::Args),
+}
+
+/// Parses the command line, runs the subcommand, and turns any error into one line on stderr.
+pub fn main() -> ExitCode {
+    install_panic_hook();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return clap_error(e),
+    };
+    let result = match cli.command {
+        None => demo::run(&demo::Args::default()),
+        Some(Command::Run(args)) => run::run(&args),
+        Some(Command::Demo(args)) => demo::run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e.to_string()));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Help and version go out as clap prints them; usage errors become one line, exit status 2.
+fn clap_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        _ => {
+            let text = e.render().to_string();
+            let parts: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:"))
+                .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
+                .collect();
+            let msg = parts.join(" ");
+            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+            eprintln!("error: {msg} (see `ssd-oracle --help`)");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Collapses a message onto one line.
+fn one_line(msg: &str) -> String {
+    msg.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A bug must still end as one line on stderr, not a multi-line panic report (unless a
+/// backtrace was asked for with RUST_BACKTRACE).
+fn install_panic_hook() {
+    if std::env::var_os("RUST_BACKTRACE").is_some() {
+        return;
+    }
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!(
+            "error: internal error, a bug in ssd-oracle: {}{at} (rerun with RUST_BACKTRACE=1 for details)",
+            one_line(&payload)
+        );
+    }));
+}
+
+/// Which implementation computes the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Impl {
+    /// The time-step recurrence, token by token (the ground truth in f64).
+    Naive,
+    /// The chunked jump formula, stage by stage as the GPU kernels run it.
+    Chunked,
+    /// The CUDA kernels of the ssd-gpu crate.
+    Gpu,
+}
+
+impl Impl {
+    pub fn name(self) -> &'static str {
+        match self {
+            Impl::Naive => "naive",
+            Impl::Chunked => "chunked",
+            Impl::Gpu => "gpu",
+        }
+    }
+}
+
+/// The arithmetic a computation uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// float64 throughout.
+    F64,
+    /// float32 throughout (the inputs rounded to f32 first).
+    F32,
+    /// float32 with every matrix-product operand rounded to TF32 (chunked path only).
+    Tf32,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F64 => "f64",
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+        }
+    }
+
+    /// The dtype outputs computed in this precision are stored as.
+    pub fn store_dtype(self) -> FloatDtype {
+        match self {
+            Precision::F64 => FloatDtype::F64,
+            Precision::F32 | Precision::Tf32 => FloatDtype::F32,
+        }
+    }
+}
+
+/// Refuses combinations that cannot run, before any work is done.
+///
+/// # Errors
+/// [`VerifyError::Usage`] for TF32 with the naive path (it has no matrix products);
+/// [`VerifyError::Unavailable`] for the GPU while it is not wired in.
+pub fn check_combination(imp: Impl, precision: Precision) -> Result<(), VerifyError> {
+    if imp == Impl::Naive && precision == Precision::Tf32 {
+        return Err(VerifyError::Usage(
+            "--precision tf32 needs --impl chunked: the naive recurrence has no matrix products to round to TF32".into(),
+        ));
+    }
+    if imp == Impl::Gpu {
+        gpu_available()?;
+    }
+    Ok(())
+}
+
+/// The problem in the precision a computation reads: `f64` as given, or rounded to `f32`.
+pub enum Prepared<'a> {
+    F64(&'a Problem<f64>),
+    F32(Box<Problem<f32>>),
+}
+
+impl<'a> Prepared<'a> {
+    /// Converts once, so that repeated timings measure the computation alone.
+    pub fn new(problem: &'a Problem<f64>, precision: Precision) -> Self {
+        match precision {
+            Precision::F64 => Prepared::F64(problem),
+            Precision::F32 | Precision::Tf32 => Prepared::F32(Box::new(problem.cast::<f32>())),
+        }
+    }
+}
+
+/// Computes the forward pass of `problem` with `imp` in `precision` and returns the outputs
+/// (widened to f64, exactly) and the time spent in the computation itself (no conversion, no
+/// file I/O).
+///
+/// # Errors
+/// As [`check_combination`].
+pub fn compute(
+    problem: &Prepared<'_>,
+    imp: Impl,
+    precision: Precision,
+) -> Result<(Outputs<f64>, Duration), VerifyError> {
+    check_combination(imp, precision)?;
+    let matmul = match precision {
+        Precision::Tf32 => MatmulPrecision::Tf32,
+        Precision::F64 | Precision::F32 => MatmulPrecision::Native,
+    };
+    Ok(match (imp, problem) {
+        (Impl::Naive, Prepared::F64(p)) => widen(timed(|| Outputs::from(naive::forward(*p)))),
+        (Impl::Naive, Prepared::F32(p)) => widen(timed(|| Outputs::from(naive::forward(p)))),
+        (Impl::Chunked, Prepared::F64(p)) => {
+            widen(timed(|| Outputs::from(chunked::forward(*p, matmul))))
+        }
+        (Impl::Chunked, Prepared::F32(p)) => {
+            widen(timed(|| Outputs::from(chunked::forward(p, matmul))))
+        }
+        (Impl::Gpu, _) => return gpu_forward(problem, precision),
+    })
+}
+
+fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
+    let start = Instant::now();
+    let r = f();
+    (r, start.elapsed())
+}
+
+fn widen<T: ssd_reference::Real>((o, d): (Outputs<T>, Duration)) -> (Outputs<f64>, Duration) {
+    (o.to_f64(), d)
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU hook: the ssd-gpu crate plugs in here (availability check and the forward pass).
+
+/// Whether the GPU implementation can run here.
+///
+/// # Errors
+/// [`VerifyError::Unavailable`] with the reason.
+pub fn gpu_available() -> Result<(), VerifyError> {
+    Err(VerifyError::Unavailable(
+        "the gpu implementation is not available yet".into(),
+    ))
+}
+
+/// The GPU forward pass (to be wired to ssd-gpu: time the kernels, not the transfers).
+fn gpu_forward(
+    _problem: &Prepared<'_>,
+    _precision: Precision,
+) -> Result<(Outputs<f64>, Duration), VerifyError> {
+    gpu_available()?;
+    Err(VerifyError::Unavailable(
+        "the gpu implementation is not available yet".into(),
+    ))
+}

@@ -1,0 +1,244 @@
+//! `ssd-oracle run`: compute a case with one implementation, write its outputs.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use ssd_verify::fixture::{self, Outputs};
+use ssd_verify::VerifyError;
+
+use super::{check_combination, compute, Impl, Precision, Prepared};
+
+/// Compute a case and write `out` and `final_states` (plus `dA_cumsum` and `chunk_states` for
+/// the chunked path) to a safetensors file: F64 for --precision f64, F32 otherwise.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The case's manifest (ssd-fixture/1 JSON; its `tensors` key names the safetensors file).
+    #[arg(long, value_name = "CASE.json")]
+    pub case: PathBuf,
+
+    /// The implementation that computes the forward pass.
+    #[arg(long = "impl", value_enum, value_name = "IMPL")]
+    pub implementation: Impl,
+
+    /// Where to write the outputs (replaced atomically; nothing is written on error).
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
+
+    /// The arithmetic: f64, f32 (inputs rounded to f32), or tf32 (f32 with TF32-rounded matrix
+    /// products: the chunked path only).
+    #[arg(long, value_enum, default_value = "f64")]
+    pub precision: Precision,
+
+    /// Compute N times and report the timings (the outputs of the last run are written).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub repeat: u32,
+
+    /// Print one JSON object on stdout (timings in milliseconds, implementation, precision,
+    /// dims) instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the subcommand.
+///
+/// # Errors
+/// Any [`VerifyError`]: a bad combination of options, an unusable output path, a case that
+/// cannot be read. The output file is written only after every computation succeeded.
+pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
+    check_combination(args.implementation, args.precision)?;
+    check_out_path(&args.out)?;
+    let loaded = fixture::read_case(&args.case)?;
+    for input in [&loaded.manifest_path, &loaded.tensors_path] {
+        if same_file(&args.out, input) {
+            return Err(VerifyError::Usage(format!(
+                "--out `{}` is the case's own file `{}`: refusing to overwrite an input",
+                args.out.display(),
+                input.display()
+            )));
+        }
+    }
+    let problem = &loaded.case.problem;
+    let prepared = Prepared::new(problem, args.precision);
+
+    let progress = (args.repeat > 1).then(|| {
+        let pb = ProgressBar::new(u64::from(args.repeat));
+        pb.set_style(
+            ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} [{elapsed}]")
+                .expect("valid template"),
+        );
+        pb.set_message(format!(
+            "{} {}",
+            args.implementation.name(),
+            args.precision.name()
+        ));
+        pb
+    });
+    let mut times = Vec::with_capacity(args.repeat as usize);
+    let mut last: Option<Outputs<f64>> = None;
+    for _ in 0..args.repeat {
+        // Free the previous outputs first: only the last ones are written.
+        drop(last.take());
+        let (outputs, took) = compute(&prepared, args.implementation, args.precision)?;
+        times.push(took);
+        last = Some(outputs);
+        if let Some(pb) = &progress {
+            pb.inc(1);
+        }
+    }
+    if let Some(pb) = progress {
+        pb.finish_and_clear();
+    }
+    let outputs = last.expect("repeat >= 1");
+    outputs.write(&args.out, args.precision.store_dtype())?;
+
+    let ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let median = median(&ms);
+    let min = ms.iter().copied().fold(f64::INFINITY, f64::min);
+    let dims = problem.dims();
+    if args.json {
+        let mut tensors = serde_json::Map::new();
+        for (name, shape) in shapes(&outputs) {
+            tensors.insert(name.into(), json!(shape));
+        }
+        let report = json!({
+            "case": args.case.display().to_string(),
+            "out": args.out.display().to_string(),
+            "impl": args.implementation.name(),
+            "precision": args.precision.name(),
+            "dtype": fixture::Dtype::from(args.precision.store_dtype()).name(),
+            "dims": {
+                "batch": dims.batch,
+                "seqlen": dims.seqlen,
+                "nheads": dims.nheads,
+                "headdim": dims.headdim,
+                "ngroups": dims.ngroups,
+                "dstate": dims.dstate,
+            },
+            "chunk_size": problem.options().chunk_size,
+            "threads": rayon::current_num_threads(),
+            "repeat": args.repeat,
+            "compute_ms": ms,
+            "compute_ms_min": min,
+            "compute_ms_median": median,
+            "tensors": tensors,
+        });
+        println!("{report}");
+    } else {
+        let names: Vec<&str> = shapes(&outputs).into_iter().map(|(n, _)| n).collect();
+        let timing = if args.repeat > 1 {
+            format!(
+                "median {} ms, min {} ms over {} runs",
+                fmt_ms(median),
+                fmt_ms(min),
+                args.repeat
+            )
+        } else {
+            format!("{} ms", fmt_ms(median))
+        };
+        println!(
+            "wrote {} ({}) to {}: {} {} computed in {timing} on {} threads",
+            names.join(", "),
+            fixture::Dtype::from(args.precision.store_dtype()),
+            args.out.display(),
+            args.implementation.name(),
+            args.precision.name(),
+            rayon::current_num_threads(),
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Checks that `out` can be written before any work is done: a file name in an existing folder,
+/// not a folder itself.
+fn check_out_path(out: &Path) -> Result<(), VerifyError> {
+    if out.file_name().is_none() || out.is_dir() {
+        return Err(VerifyError::Usage(format!(
+            "--out `{}` must be a file path, not a folder",
+            out.display()
+        )));
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(VerifyError::Usage(format!(
+            "--out `{}`: the folder `{}` does not exist",
+            out.display(),
+            parent.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether two paths name the same existing file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+fn shapes(o: &Outputs<f64>) -> Vec<(&'static str, Vec<usize>)> {
+    let mut v = vec![
+        ("out", o.out.shape().to_vec()),
+        ("final_states", o.final_states.shape().to_vec()),
+    ];
+    if let Some(a) = &o.dA_cumsum {
+        v.push(("dA_cumsum", a.shape().to_vec()));
+    }
+    if let Some(a) = &o.chunk_states {
+        v.push(("chunk_states", a.shape().to_vec()));
+    }
+    v
+}
+
+/// The median of a non-empty list (the mean of the two middle values for an even count).
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Milliseconds with three significant digits or so.
+pub fn fmt_ms(ms: f64) -> String {
+    if ms >= 100.0 {
+        format!("{ms:.0}")
+    } else if ms >= 10.0 {
+        format!("{ms:.1}")
+    } else if ms >= 1.0 {
+        format!("{ms:.2}")
+    } else {
+        format!("{ms:.3}")
+    }
+}
+
+/// Seconds as milliseconds.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_odd_even() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[7.0]), 7.0);
+        assert!(median(&[]).is_nan());
+    }
+}
