@@ -1,5 +1,42 @@
-//! Stage 2: per-chunk states and the sequential pass across chunks. STUB.
-use ndarray::{Array4, Array5};
+//! Stage 2: per-chunk states, then the sequential pass across chunks.
+//!
+//! Mirrors mamba_ssm's `_chunk_state_fwd` ([`chunk_state`]) followed by `_state_passing_fwd`
+//! ([`state_passing`]). Notation for row `b`, head `h` (group `g`), chunk `c`: `t0 = c *
+//! chunk_size`, `L = min(chunk_size, seqlen - t0)` valid tokens, `cs = dA_cumsum[b, h, c, :]`,
+//! `cs_last = cs[L - 1]`, `seq_j = seq_idx[b, t0 + j]` (0 without `seq_idx`), `x_c = x[b, t0..t0
+//! + L, h, :]` (`L x headdim`) and `B_c = B[b, t0..t0 + L, g, :]` (`L x dstate`).
+//!
+//! **Chunk state** (the chunk's own contribution to the state after its last valid token), one
+//! matrix product:
+//!
+//! ```text
+//! w_j        = exp(cs_last - cs_j) * dt'_j     if seq_j == seq_{L-1},  else 0
+//! states_c   = x_c^T  (diag(w) B_c)            headdim x dstate
+//! ```
+//!
+//! `A <= 0` and `dt' >= 0` make `cs` non-increasing, so `cs_last - cs_j <= 0` for `j <= L - 1`
+//! and the exponential never overflows. (A `dt_limit` with a negative lower end could make `dt'`
+//! negative; the same formula is still evaluated.)
+//!
+//! **State passing**, sequential over chunks, starting from `S_0 = initial_states[b, h]` (or 0):
+//!
+//! ```text
+//! scale_c    = exp(cs_last of chunk c)     or 0 when seq_idx at the last token of chunk c
+//!                                           differs from seq_idx at the last token of chunk
+//!                                           c - 1 (from 0 for c = 0)
+//! S_{c+1}    = scale_c * S_c + states_c
+//! chunk_states[b, c, h] = S_c,   final_states[b, h] = S_nchunks
+//! ```
+//!
+//! So `chunk_states[:, 0]` is always `initial_states` (even when the row starts with a nonzero
+//! `seq_idx`, where it is then never used) and `chunk_states[:, c]`, `c > 0`, is the
+//! reset-aware state after token `c * chunk_size - 1`.
+//!
+//! Under [`MatmulPrecision::Tf32`] the two operands of the chunk-state product, `x_c` and the
+//! already-scaled `diag(w) B_c`, are rounded to TF32 ([`Real::round_tf32`]); `w` itself, the
+//! product's accumulation and the state pass stay in `T`.
+use ndarray::{linalg::general_mat_mul, s, Array2, Array4, Array5, ArrayView2, Axis};
+use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::{MatmulPrecision, Problem, Real};
@@ -13,11 +50,151 @@ pub struct StatePass<T> {
     pub final_states: Array4<T>,
 }
 
+/// Both halves of stage 2: [`chunk_state`] then [`state_passing`] (in place).
 pub fn fwd_pass_state<T: Real>(
     p: &Problem<T>,
     cumsum: &ChunkCumsum<T>,
     precision: MatmulPrecision,
 ) -> StatePass<T> {
-    let _ = (p, cumsum, precision);
-    todo!()
+    let mut chunk_states = chunk_state(p, cumsum, precision);
+    let final_states = state_passing(p, cumsum, &mut chunk_states);
+    StatePass {
+        chunk_states,
+        final_states,
+    }
+}
+
+/// The per-chunk states `states_c = x_c^T (diag(w) B_c)` (see the module documentation),
+/// `[batch, nchunks, nheads, headdim, dstate]`, before state passing.
+///
+/// Parallel over (batch, chunk, head).
+///
+/// # Panics
+/// If `cumsum` was not computed from `p` (shapes differ).
+pub fn chunk_state<T: Real>(
+    p: &Problem<T>,
+    cumsum: &ChunkCumsum<T>,
+    precision: MatmulPrecision,
+) -> Array5<T> {
+    let d = *p.dims();
+    let nc = p.nchunks();
+    let cs = p.options().chunk_size;
+    check_cumsum(p, cumsum);
+    let i = p.inputs();
+    let mut states = Array5::<T>::zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
+    let tf32 = precision == MatmulPrecision::Tf32;
+    states
+        .view_mut()
+        .into_shape_with_order((d.batch * nc * d.nheads, d.headdim, d.dstate))
+        .expect("fresh array is contiguous")
+        .axis_iter_mut(Axis(0))
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(bch, mut out)| {
+            let (b, c, h) = (bch / (nc * d.nheads), (bch / d.nheads) % nc, bch % d.nheads);
+            let g = d.group_of_head(h);
+            let t0 = c * cs;
+            let l = p.chunk_len(c);
+            let cum = cumsum.dA_cumsum.slice(s![b, h, c, ..]);
+            let dt = cumsum.dt.slice(s![b, h, c, ..]);
+            let cs_last = cum[l - 1];
+            let seq_last = p.seq_idx_at(b, t0 + l - 1);
+            let b_c = i.B.slice(s![b, t0..t0 + l, g, ..]);
+            // diag(w) B_c
+            let mut wb = Array2::<T>::zeros((l, d.dstate));
+            for (j, (mut row, src)) in wb.outer_iter_mut().zip(b_c.outer_iter()).enumerate() {
+                if p.seq_idx_at(b, t0 + j) != seq_last {
+                    continue;
+                }
+                let w = (cs_last - cum[j]).exp() * dt[j];
+                row.zip_mut_with(&src, |o, &v| {
+                    *o = if tf32 { (v * w).round_tf32() } else { v * w }
+                });
+            }
+            let x_c = i.x.slice(s![b, t0..t0 + l, h, ..]);
+            if tf32 {
+                let x_r = x_c.mapv(T::round_tf32);
+                general_mat_mul(T::one(), &x_r.t(), &wb, T::zero(), &mut out);
+            } else {
+                general_mat_mul(T::one(), &x_c.t(), &wb, T::zero(), &mut out);
+            }
+        });
+    states
+}
+
+/// The sequential pass across chunks, in place: on entry `states` holds the per-chunk states
+/// of [`chunk_state`], on return `chunk_states` (the state entering each chunk). Returns
+/// `final_states`.
+///
+/// Parallel over (batch, head); each state element runs its own chain over the chunks.
+///
+/// # Panics
+/// If the shapes of `states` or `cumsum` do not match `p`.
+pub fn state_passing<T: Real>(
+    p: &Problem<T>,
+    cumsum: &ChunkCumsum<T>,
+    states: &mut Array5<T>,
+) -> Array4<T> {
+    let d = *p.dims();
+    let nc = p.nchunks();
+    let cs = p.options().chunk_size;
+    check_cumsum(p, cumsum);
+    assert_eq!(
+        states.shape(),
+        &[d.batch, nc, d.nheads, d.headdim, d.dstate],
+        "states shape"
+    );
+    let mut final_states = Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate));
+    let init = p.inputs().initial_states.as_ref();
+    let n = d.headdim * d.dstate;
+    // Per (b, h): the [nchunks, headdim, dstate] view of states and the final-state slice.
+    let views: Vec<_> = states
+        .view_mut()
+        .permuted_axes([0, 2, 1, 3, 4])
+        .into_outer_iter_mut()
+        .flat_map(|v| v.into_outer_iter_mut())
+        .collect();
+    let fin: Vec<&mut [T]> = final_states
+        .as_slice_mut()
+        .expect("fresh array")
+        .chunks_mut(n)
+        .collect();
+    views
+        .into_par_iter()
+        .zip(fin)
+        .enumerate()
+        .for_each(|(bh, (mut v, s))| {
+            let (b, h) = (bh / d.nheads, bh % d.nheads);
+            if let Some(s0) = init {
+                let s0: ArrayView2<T> = s0.slice(s![b, h, .., ..]);
+                for (dst, src) in s.iter_mut().zip(s0.iter()) {
+                    *dst = *src;
+                }
+            }
+            let mut seq_prev = 0i64;
+            for c in 0..nc {
+                let last = c * cs + p.chunk_len(c) - 1;
+                let seq_new = p.seq_idx_at(b, last);
+                let scale = if seq_new == seq_prev {
+                    cumsum.dA_cumsum[[b, h, c, cs - 1]].exp()
+                } else {
+                    T::zero()
+                };
+                seq_prev = seq_new;
+                let mut local = v.index_axis_mut(Axis(0), c);
+                for (dst, run) in local.iter_mut().zip(s.iter_mut()) {
+                    let own = *dst;
+                    *dst = *run;
+                    *run = scale * *run + own;
+                }
+            }
+        });
+    final_states
+}
+
+pub(crate) fn check_cumsum<T: Real>(p: &Problem<T>, cumsum: &ChunkCumsum<T>) {
+    let d = p.dims();
+    let want = [d.batch, d.nheads, p.nchunks(), p.options().chunk_size];
+    assert_eq!(cumsum.dA_cumsum.shape(), &want, "dA_cumsum shape");
+    assert_eq!(cumsum.dt.shape(), &want, "dt shape");
 }

@@ -51,6 +51,9 @@ pub trait Real:
     fn lit(v: f64) -> Self;
     /// Widens to `f64` (exact).
     fn as_f64(self) -> f64;
+    /// Rounds to the nearest TF32 value (10 explicit mantissa bits, ties away from zero); see
+    /// [`tf32`].
+    fn round_tf32(self) -> Self;
 }
 
 impl Real for f64 {
@@ -62,6 +65,10 @@ impl Real for f64 {
     fn as_f64(self) -> f64 {
         self
     }
+    #[inline]
+    fn round_tf32(self) -> Self {
+        tf32::round_f64(self)
+    }
 }
 
 impl Real for f32 {
@@ -72,6 +79,10 @@ impl Real for f32 {
     #[inline]
     fn as_f64(self) -> f64 {
         self as f64
+    }
+    #[inline]
+    fn round_tf32(self) -> Self {
+        tf32::round_f32(self)
     }
 }
 

@@ -163,6 +163,63 @@ impl<T: Real> Problem<T> {
         v.max(lo).min(hi)
     }
 
+    /// Number of valid tokens in chunk `c`: `min(chunk_size, seqlen - c * chunk_size)`.
+    ///
+    /// # Panics
+    /// If `c >= nchunks()`.
+    #[inline]
+    pub fn chunk_len(&self, c: usize) -> usize {
+        let cs = self.options.chunk_size;
+        assert!(c < self.nchunks(), "chunk {c} out of range");
+        cs.min(self.dims.seqlen - c * cs)
+    }
+
+    /// `seq_idx[b, t]`, or 0 when the problem has no `seq_idx` (one sequence per row).
+    #[inline]
+    pub fn seq_idx_at(&self, b: usize, t: usize) -> i64 {
+        match &self.inputs.seq_idx {
+            None => 0,
+            Some(s) => s[[b, t]],
+        }
+    }
+
+    /// The same problem restricted to the first `len` tokens of every row (`1 <= len <=
+    /// seqlen`). Its `final_states` is the state after token `len - 1` of the full problem.
+    ///
+    /// # Errors
+    /// [`ReferenceError::InvalidProblem`] when `len` is 0 or larger than `seqlen`.
+    pub fn prefix(&self, len: usize) -> Result<Self, ReferenceError> {
+        if len == 0 || len > self.dims.seqlen {
+            return Err(invalid(format!(
+                "prefix length {len} is not in 1..={}",
+                self.dims.seqlen
+            )));
+        }
+        let i = &self.inputs;
+        let t = ndarray::Slice::from(0..len);
+        let cut4 = |a: &Array4<T>| a.slice_axis(Axis(1), t).to_owned();
+        let inputs = Inputs {
+            x: cut4(&i.x),
+            dt: i.dt.slice_axis(Axis(1), t).to_owned(),
+            A: i.A.clone(),
+            B: cut4(&i.B),
+            C: cut4(&i.C),
+            D: i.D.clone(),
+            z: i.z.as_ref().map(cut4),
+            dt_bias: i.dt_bias.clone(),
+            initial_states: i.initial_states.clone(),
+            seq_idx: i
+                .seq_idx
+                .as_ref()
+                .map(|s| s.slice_axis(Axis(1), t).to_owned()),
+        };
+        let dims = Dims {
+            seqlen: len,
+            ..self.dims
+        };
+        Problem::new(dims, self.options, inputs)
+    }
+
     /// Converts every tensor to another float type (seq_idx is kept as is).
     pub fn cast<U: Real>(&self) -> Problem<U> {
         fn c<U: Real, T: Real, D: ndarray::Dimension>(
@@ -198,6 +255,13 @@ pub fn softplus<T: Real>(v: T) -> T {
     } else {
         v.exp().ln_1p()
     }
+}
+
+/// The output gate of mamba_ssm: `y * (z * sigmoid(z))` with `sigmoid(z) = 1 / (1 + exp(-z))`
+/// (`exp(-z)` may overflow to infinity for very negative `z`, giving a gate of exactly 0).
+#[inline]
+pub fn gate<T: Real>(y: T, z: T) -> T {
+    y * (z / (T::one() + (-z).exp()))
 }
 
 fn invalid(msg: String) -> ReferenceError {
