@@ -1,1 +1,40 @@
-//! CUDA kernels for the Mamba-2 SSD forward (to come).
+//! CUDA kernels for the Mamba-2 SSD forward (mamba_ssm 2.3.2.post1's
+//! `mamba_chunk_scan_combined`), f32 inputs, TF32 tensor-core products with f32 accumulation.
+//!
+//! Three kernels, the stages of the chunked jump formula (`docs/math.md`), as the CPU
+//! reference's [`ssd_reference::chunked`] runs them:
+//! 1. [`Gpu::chunk_cumsum`]: `dt' = clamp(softplus?(dt + dt_bias), lo, hi)` and
+//!    `dA_cumsum`, the within-chunk inclusive cumsum of `dt' * A`;
+//! 2. [`Gpu::fwd_pass_state`]: each chunk's state as one matrix product, carried across the
+//!    chunks in order -> `chunk_states` (the state entering each chunk), `final_states`;
+//! 3. [`Gpu::compute_out`]: the carried-state term, the causally masked and decayed
+//!    `C B^T` times `dt' x` built tile by tile on chip, the `D` skip and the `z` gate -> `out`.
+//!
+//! Two ways in:
+//! - host side: [`forward`] (or [`Gpu::forward`]) takes a validated
+//!   [`ssd_reference::Problem<f32>`] and returns a [`ssd_reference::ChunkedOutput<f32>`];
+//! - device side, for kernel authors who chain calls: [`Gpu::upload`] or your own
+//!   [`DeviceInputs`], then [`Gpu::forward_into`] (or one stage at a time) into
+//!   [`DeviceOutputs`] that stay on the device.
+//!
+//! The crate builds without any CUDA installation; the driver (`libcuda`) and NVRTC
+//! (`libnvrtc`) are loaded at run time, and their absence is an error ([`GpuError::NoDriver`]),
+//! never a panic. The kernels (`gpu/kernels/*.cu`) are compiled by NVRTC once per process for
+//! the device's target (`sm_90a` on Hopper, `compute_80` PTX on other devices of compute
+//! capability 8.0 or newer). Limits: [`MAX_DSTATE`], [`MAX_CHUNK_SIZE`]; any `headdim`,
+//! `seqlen`, `ngroups`. Results are bitwise reproducible (no atomics, fixed summation order).
+//! `docs/gpu.md` in the repository has the details.
+
+mod chunk_cumsum;
+mod compute_out;
+mod error;
+mod fwd_pass_state;
+mod host;
+pub mod kernels;
+mod runtime;
+mod shape;
+
+pub use error::GpuError;
+pub use host::{default_gpu, forward};
+pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu};
+pub use shape::{check as check_shape, seq_idx_to_i32, Lengths, MAX_CHUNK_SIZE, MAX_DSTATE};

@@ -1,0 +1,47 @@
+// Stage 1: dt processing and the within-chunk inclusive cumsum of dt * A.
+//
+// One thread per (batch b, chunk c, head h), heads fastest so that a warp reads consecutive
+// heads of one token (coalesced). For token t = c * chunk_size + l of the chunk:
+//   dt'[l] = clamp(softplus?(dt[b, t, h] + dt_bias[h]), lo, hi)      (0 for t >= seqlen)
+//   dA_cumsum[b, h, c, l] = sum_{k <= l} dt'[k] * A[h]                (sequential: deterministic)
+// softplus(v) = v for v > 20, log1p(exp(v)) otherwise. Both outputs are [batch, nheads, nchunks,
+// chunk_size]; past seqlen dt' = 0, so the cumsum stays flat there.
+extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
+    const float* __restrict__ dt,       // [batch, seqlen, nheads]
+    const float* __restrict__ A,        // [nheads]
+    const float* __restrict__ dt_bias,  // [nheads] or null
+    float* __restrict__ dt_out,         // [batch, nheads, nchunks, chunk_size]
+    float* __restrict__ dA_cumsum,      // [batch, nheads, nchunks, chunk_size]
+    int batch, int seqlen, int nheads, int chunk_size, int nchunks,
+    int dt_softplus, float dt_lo, float dt_hi)
+{
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    i64 total = (i64)batch * nchunks * nheads;
+    if (idx >= total) return;
+    int h = (int)(idx % nheads);
+    i64 rest = idx / nheads;
+    int c = (int)(rest % nchunks);
+    int b = (int)(rest / nchunks);
+
+    float a = A[h];
+    float bias = dt_bias != nullptr ? dt_bias[h] : 0.0f;
+    i64 t0 = (i64)c * chunk_size;
+    i64 valid = (i64)seqlen - t0;
+    if (valid > chunk_size) valid = chunk_size;
+    const float* src = dt + ((i64)b * seqlen + t0) * nheads + h;
+    i64 out = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
+
+    float cs = 0.0f;
+    for (int l = 0; l < chunk_size; ++l) {
+        float v = 0.0f;
+        if (l < valid) {
+            v = src[(i64)l * nheads];
+            if (dt_bias != nullptr) v += bias;
+            if (dt_softplus) v = v > 20.0f ? v : log1pf(expf(v));
+            v = fminf(fmaxf(v, dt_lo), dt_hi);
+        }
+        cs = __fadd_rn(cs, __fmul_rn(v, a));
+        dt_out[out + l] = v;
+        dA_cumsum[out + l] = cs;
+    }
+}

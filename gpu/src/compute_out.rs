@@ -1,0 +1,80 @@
+//! Stage 3 on the GPU: the output of every chunk.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::runtime::{int, opt_ptr};
+use crate::shape::{compute_out_smem_bytes, TILE_M, TILE_P};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+
+impl Gpu {
+    /// Enqueues stage 3 (after [`Gpu::fwd_pass_state`]), writing `outputs.out`.
+    ///
+    /// For token `i` of chunk `c` (`cs = dA_cumsum[b, h, c, :]`, `S = chunk_states[b, c, h]`):
+    /// `y_i = exp(cs_i) (C_i . S)` [only if `seq(i)` equals the seq_idx of the token before
+    /// the chunk, 0 before chunk 0] `+ sum_{j <= i in the chunk, seq(j) = seq(i)} (C_i . B_j)
+    /// exp(cs_i - cs_j) dt'_j x_j + D x_i`, then `out = y * z * sigmoid(z)` when `z` is given.
+    /// The causal matrix is built in 64 x 64 tiles on chip, only for tiles on or below the
+    /// diagonal, the exponent evaluated only where `j <= i`. Products in TF32, f32 accumulation.
+    /// One block per `(b, chunk, 64 rows, h, 64 headdim columns)`.
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
+    pub fn compute_out(
+        &self,
+        inputs: &DeviceInputs,
+        outputs: &mut DeviceOutputs,
+    ) -> Result<(), GpuError> {
+        self.check_buffers(inputs, outputs)?;
+        let d = inputs.dims;
+        let o = inputs.options;
+        let nchunks = d.nchunks(o.chunk_size);
+        let itiles = o.chunk_size.div_ceil(TILE_M);
+        let ptiles = d.headdim.div_ceil(TILE_P);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (nchunks * itiles) as u32,
+                (d.nheads * ptiles) as u32,
+                d.batch as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: compute_out_smem_bytes(d.dstate) as u32,
+        };
+        let stream = &self.stream;
+        let (dskip, _g1) = opt_ptr(inputs.D.as_ref(), stream);
+        let (z, _g2) = opt_ptr(inputs.z.as_ref(), stream);
+        let (seq, _g3) = opt_ptr(inputs.seq_idx.as_ref(), stream);
+        let d_per_channel = i32::from(inputs.D.as_ref().is_some_and(|v| v.len() != d.nheads));
+        let has_initial_states = i32::from(inputs.initial_states.is_some());
+        let sizes = [
+            int(d.seqlen),
+            int(d.nheads),
+            int(d.headdim),
+            int(d.ngroups),
+            int(d.dstate),
+            int(o.chunk_size),
+            int(nchunks),
+            d_per_channel,
+            has_initial_states,
+        ];
+        let mut launch = stream.launch_builder(&self.compute_out_fn);
+        launch
+            .arg(&inputs.x)
+            .arg(&inputs.B)
+            .arg(&inputs.C)
+            .arg(&dskip)
+            .arg(&z)
+            .arg(&outputs.dt)
+            .arg(&outputs.dA_cumsum)
+            .arg(&outputs.chunk_states)
+            .arg(&seq)
+            .arg(&mut outputs.out);
+        for s in &sizes {
+            launch.arg(s);
+        }
+        // SAFETY: the argument list matches `ssd_compute_out` in kernels/compute_out.cu, every
+        // buffer was checked against the sizes, and the dynamic shared memory was checked
+        // against the device's opt-in limit (raised for this function when it was loaded).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,69 @@
+//! Stage 2 on the GPU: the state entering every chunk, and the final state.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::runtime::{int, opt_ptr};
+use crate::shape::{TILE_N, TILE_P};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+
+impl Gpu {
+    /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
+    /// `outputs.final_states`.
+    ///
+    /// With `S_0 = initial_states` (zeros when absent), for each chunk `c` with last real
+    /// token `last`, `cs = dA_cumsum[b, h, c, :]`:
+    /// `chunk_states[b, c, h] = S_c` and
+    /// `S_{c+1} = scale_c * S_c + sum_{l <= last, seq(l) = seq(last)} x[l]^T (exp(cs[last] - cs[l]) * dt'[l] * B[l])`,
+    /// one TF32 product `[headdim, l] x [l, dstate]` per chunk, where
+    /// `scale_c = exp(cs[last])` if `seq(last)` equals the seq_idx of the token before the chunk
+    /// (0 before chunk 0), else 0. `final_states = S_nchunks`. One block per
+    /// `(b, h, 64 x 64 tile of [headdim, dstate])`, walking the chunks in order.
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
+    pub fn fwd_pass_state(
+        &self,
+        inputs: &DeviceInputs,
+        outputs: &mut DeviceOutputs,
+    ) -> Result<(), GpuError> {
+        self.check_buffers(inputs, outputs)?;
+        let d = inputs.dims;
+        let o = inputs.options;
+        let nchunks = d.nchunks(o.chunk_size);
+        let tiles = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(TILE_N);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, d.nheads as u32, d.batch as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = &self.stream;
+        let (init, _g1) = opt_ptr(inputs.initial_states.as_ref(), stream);
+        let (seq, _g2) = opt_ptr(inputs.seq_idx.as_ref(), stream);
+        let sizes = [
+            int(d.seqlen),
+            int(d.nheads),
+            int(d.headdim),
+            int(d.ngroups),
+            int(d.dstate),
+            int(o.chunk_size),
+            int(nchunks),
+        ];
+        let mut launch = stream.launch_builder(&self.fwd_pass_state_fn);
+        launch
+            .arg(&inputs.x)
+            .arg(&inputs.B)
+            .arg(&outputs.dt)
+            .arg(&outputs.dA_cumsum)
+            .arg(&init)
+            .arg(&seq)
+            .arg(&mut outputs.chunk_states)
+            .arg(&mut outputs.final_states);
+        for s in &sizes {
+            launch.arg(s);
+        }
+        // SAFETY: the argument list matches `ssd_fwd_pass_state` in kernels/fwd_pass_state.cu,
+        // every buffer was checked against the sizes and the grid by `shape::check`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}

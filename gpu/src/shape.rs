@@ -1,0 +1,235 @@
+//! What the kernels support, checked before anything touches the device.
+
+use ssd_reference::{Dims, Options};
+
+use crate::error::unsupported;
+use crate::GpuError;
+
+/// Largest `dstate`: the output kernel keeps a 64-token tile of `C` and one of `B` (or of the
+/// carried state) in shared memory, `2 * 64 * (dstate + 36)` floats plus about 37 KB, which
+/// fits the 227 KB a Hopper block may take up to `dstate = 256` (Ampere's 163 KB: up to 192).
+pub const MAX_DSTATE: usize = 256;
+
+/// Largest `chunk_size` (a power of two). The kernels themselves loop over any chunk; the
+/// limit bounds the padded intermediates (`dA_cumsum` holds `nchunks * chunk_size` values per
+/// row and head, however short `seqlen` is) and keeps every in-chunk index far inside `i32`.
+pub const MAX_CHUNK_SIZE: usize = 1 << 16;
+
+/// Tile sizes of the kernels (rows of a tile of `out`, headdim columns per block, dstate
+/// columns per block of the state pass). `headdim` and `dstate` need not be multiples: the
+/// last tile is masked.
+pub(crate) const TILE_M: usize = 64;
+pub(crate) const TILE_P: usize = 64;
+pub(crate) const TILE_N: usize = 64;
+
+/// Sizes of the buffers of one problem, in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lengths {
+    /// `x`, `z`, `out`: `batch * seqlen * nheads * headdim`.
+    pub x: usize,
+    /// `dt`: `batch * seqlen * nheads`.
+    pub dt: usize,
+    /// `B`, `C`: `batch * seqlen * ngroups * dstate`.
+    pub bc: usize,
+    /// `initial_states`, `final_states`: `batch * nheads * headdim * dstate`.
+    pub states: usize,
+    /// `dA_cumsum` and the processed `dt`: `batch * nheads * nchunks * chunk_size`.
+    pub cumsum: usize,
+    /// `chunk_states`: `batch * nchunks * nheads * headdim * dstate`.
+    pub chunk_states: usize,
+    /// `seq_idx`: `batch * seqlen`.
+    pub seq_idx: usize,
+}
+
+/// Checks that the kernels support `dims` and `options` and returns the buffer lengths.
+///
+/// # Errors
+/// [`GpuError::Unsupported`] naming the size or option: a zero size, `nheads % ngroups != 0`,
+/// a `chunk_size` that is not a power of two or exceeds [`MAX_CHUNK_SIZE`], `dstate` above
+/// [`MAX_DSTATE`], a `dt_limit` that is not an interval with a finite lower end, a size that
+/// overflows the launch grid or `i32`, or buffers too large to count.
+pub fn check(dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
+    let Dims {
+        batch,
+        seqlen,
+        nheads,
+        headdim,
+        ngroups,
+        dstate,
+    } = *dims;
+    for (name, v) in [
+        ("batch", batch),
+        ("seqlen", seqlen),
+        ("nheads", nheads),
+        ("headdim", headdim),
+        ("ngroups", ngroups),
+        ("dstate", dstate),
+    ] {
+        if v == 0 {
+            return Err(unsupported(format!(
+                "{name} is 0: every size must be at least 1"
+            )));
+        }
+        if v > i32::MAX as usize {
+            return Err(unsupported(format!("{name} = {v} exceeds i32::MAX")));
+        }
+    }
+    if nheads % ngroups != 0 {
+        return Err(unsupported(format!(
+            "nheads ({nheads}) is not a multiple of ngroups ({ngroups})"
+        )));
+    }
+    let q = options.chunk_size;
+    if !q.is_power_of_two() {
+        return Err(unsupported(format!("chunk_size {q} is not a power of two")));
+    }
+    if q > MAX_CHUNK_SIZE {
+        return Err(unsupported(format!(
+            "chunk_size {q} exceeds the GPU kernels' limit of {MAX_CHUNK_SIZE}"
+        )));
+    }
+    if dstate > MAX_DSTATE {
+        return Err(unsupported(format!(
+            "dstate {dstate} exceeds the GPU kernels' limit of {MAX_DSTATE} (shared-memory tiles of C and B)"
+        )));
+    }
+    let (lo, hi) = options.dt_limit;
+    if !lo.is_finite() || hi.is_nan() || lo > hi {
+        return Err(unsupported(format!(
+            "dt_limit [{lo}, {hi}] is not an interval with a finite lower end"
+        )));
+    }
+    let nchunks = seqlen.div_ceil(q);
+    let ptiles = headdim.div_ceil(TILE_P);
+    let ntiles = dstate.div_ceil(TILE_N);
+    let itiles = q.div_ceil(TILE_M);
+    let grid_x = nchunks.checked_mul(itiles);
+    if grid_x.is_none_or(|g| g > i32::MAX as usize) || nheads * ptiles > 65535 || batch > 65535 {
+        return Err(unsupported(format!(
+            "the launch grid overflows: nchunks * ceil(chunk_size/64) = {nchunks} * {itiles} must stay below 2^31, \
+             nheads * ceil(headdim/64) = {} and batch = {batch} at most 65535",
+            nheads * ptiles
+        )));
+    }
+    if nchunks > i32::MAX as usize || ptiles * ntiles > i32::MAX as usize {
+        return Err(unsupported("nchunks or the tile count exceeds i32::MAX"));
+    }
+    let too_big = || unsupported("buffer sizes overflow usize");
+    let mul = |f: &[usize]| -> Result<usize, GpuError> {
+        f.iter()
+            .try_fold(1usize, |acc, &v| acc.checked_mul(v))
+            .ok_or_else(too_big)
+    };
+    Ok(Lengths {
+        x: mul(&[batch, seqlen, nheads, headdim])?,
+        dt: mul(&[batch, seqlen, nheads])?,
+        bc: mul(&[batch, seqlen, ngroups, dstate])?,
+        states: mul(&[batch, nheads, headdim, dstate])?,
+        cumsum: mul(&[batch, nheads, nchunks, q])?,
+        chunk_states: mul(&[batch, nchunks, nheads, headdim, dstate])?,
+        seq_idx: mul(&[batch, seqlen])?,
+    })
+}
+
+/// Dynamic shared memory of the output kernel, in bytes, for `dstate`
+/// (layout in `kernels/compute_out.cu`).
+pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {
+    let ns = dstate.div_ceil(32) * 32 + 4;
+    let floats = 2 * TILE_M * ns + TILE_M * 72 + 4 * 16 * 68 + 5 * TILE_M;
+    floats * 4
+}
+
+/// `seq_idx` as the kernels take it: `i32`, per row, equal where the input is equal and 0
+/// exactly where the input is 0 (the kernels only compare neighbours and test for 0, so any
+/// `i64` values fit). Rows are `seqlen` long.
+///
+/// The input must be non-negative and non-decreasing along each row (the contract), which
+/// [`ssd_reference::Problem`] guarantees.
+pub fn seq_idx_to_i32(seq_idx: &[i64], seqlen: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(seq_idx.len());
+    for row in seq_idx.chunks(seqlen.max(1)) {
+        let mut id: i32 = if row.first() == Some(&0) { 0 } else { 1 };
+        let mut prev = row.first().copied();
+        for &v in row {
+            if Some(v) != prev {
+                id += 1;
+                prev = Some(v);
+            }
+            out.push(id);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims() -> Dims {
+        Dims {
+            batch: 2,
+            seqlen: 100,
+            nheads: 4,
+            headdim: 16,
+            ngroups: 2,
+            dstate: 8,
+        }
+    }
+
+    fn opts(chunk_size: usize) -> Options {
+        Options {
+            chunk_size,
+            ..Options::default()
+        }
+    }
+
+    #[test]
+    fn lengths_follow_the_contract() {
+        let l = check(&dims(), &opts(32)).unwrap();
+        assert_eq!(l.x, 2 * 100 * 4 * 16);
+        assert_eq!(l.dt, 2 * 100 * 4);
+        assert_eq!(l.bc, 2 * 100 * 2 * 8);
+        assert_eq!(l.states, 2 * 4 * 16 * 8);
+        assert_eq!(l.cumsum, 2 * 4 * 4 * 32);
+        assert_eq!(l.chunk_states, 2 * 4 * 4 * 16 * 8);
+        assert_eq!(l.seq_idx, 200);
+    }
+
+    #[test]
+    fn refuses_what_the_kernels_cannot_do() {
+        let msg = |d: Dims, o: Options| check(&d, &o).unwrap_err().to_string();
+        assert!(msg(dims(), opts(48)).contains("power of two"));
+        assert!(msg(dims(), opts(MAX_CHUNK_SIZE * 2)).contains("limit"));
+        let mut d = dims();
+        d.dstate = MAX_DSTATE + 1;
+        assert!(msg(d, opts(64)).contains("dstate"));
+        let mut d = dims();
+        d.ngroups = 3;
+        assert!(msg(d, opts(64)).contains("multiple"));
+        let mut d = dims();
+        d.seqlen = 0;
+        assert!(msg(d, opts(64)).contains("seqlen"));
+        let mut o = opts(64);
+        o.dt_limit = (1.0, 0.5);
+        assert!(msg(dims(), o).contains("dt_limit"));
+        assert!(check(&dims(), &opts(MAX_CHUNK_SIZE)).is_ok());
+        let mut d = dims();
+        d.dstate = MAX_DSTATE;
+        d.headdim = 65;
+        assert!(check(&d, &opts(1)).is_ok());
+    }
+
+    #[test]
+    fn seq_idx_keeps_equality_and_zero() {
+        let s = [0, 0, 5, 5, 1 << 40, 7, 7, 8, 9, 9];
+        // two rows of 5 (the second row is its own sequence numbering)
+        let got = seq_idx_to_i32(&s, 5);
+        assert_eq!(got, vec![0, 0, 1, 1, 2, 1, 1, 2, 3, 3]);
+        assert_eq!(seq_idx_to_i32(&[3, 3, 3], 3), vec![1, 1, 1]);
+    }
+
+    #[test]
+    fn smem_fits_hopper_at_the_limit() {
+        assert!(compute_out_smem_bytes(MAX_DSTATE) <= 227 * 1024);
+    }
+}

@@ -1,0 +1,96 @@
+//! What works without a GPU: clean errors instead of panics, and NVRTC compiling the kernels
+//! (where the NVRTC library is installed).
+
+use ssd_gpu::{kernels, Gpu, GpuError};
+use ssd_reference::random::{random_problem, ProblemSpec};
+use ssd_reference::Dims;
+
+fn require_gpu() -> bool {
+    std::env::var("SSD_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn missing_driver_or_device_is_an_error_not_a_panic() {
+    let spec = ProblemSpec::plain(Dims {
+        batch: 1,
+        seqlen: 5,
+        nheads: 2,
+        headdim: 3,
+        ngroups: 1,
+        dstate: 4,
+    });
+    let p: ssd_reference::Problem<f32> = random_problem(&spec, 3).expect("valid spec").cast();
+    match (Gpu::new(0), ssd_gpu::forward(&p)) {
+        (Ok(gpu), Ok(out)) => {
+            println!(
+                "device present ({}, {}): forward ran",
+                gpu.device_name(),
+                gpu.target()
+            );
+            assert_eq!(out.out.shape(), &[1, 5, 2, 3]);
+        }
+        (Err(e1), Err(e2)) => {
+            for e in [&e1, &e2] {
+                assert!(
+                    matches!(e, GpuError::NoDriver(_) | GpuError::NoDevice(_)),
+                    "unexpected error kind: {e}"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("no CUDA driver") || msg.contains("no CUDA device"),
+                    "{msg}"
+                );
+            }
+            assert!(!require_gpu(), "SSD_REQUIRE_GPU=1 but {e1}");
+            println!("skipped: no CUDA device ({e1})");
+        }
+        (a, b) => panic!("Gpu::new and forward disagree: {a:?} / {b:?}"),
+    }
+}
+
+#[test]
+fn nvrtc_compiles_the_kernels_for_every_target() {
+    if !kernels::nvrtc_present() {
+        assert!(
+            !require_gpu(),
+            "SSD_REQUIRE_GPU=1 but NVRTC cannot be loaded"
+        );
+        println!("skipped: no CUDA driver (NVRTC library not found)");
+        return;
+    }
+    for target in ["sm_90a", "compute_80"] {
+        let ptx = kernels::ptx_text(target).unwrap_or_else(|e| panic!("{e}"));
+        for entry in ["ssd_chunk_cumsum", "ssd_fwd_pass_state", "ssd_compute_out"] {
+            assert!(
+                ptx.contains(&format!(".entry {entry}")),
+                "{target}: {entry} missing"
+            );
+        }
+        assert!(
+            ptx.contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+            "{target}: no TF32 mma"
+        );
+        assert!(
+            ptx.contains("cvt.rna.tf32.f32"),
+            "{target}: no TF32 rounding"
+        );
+        assert!(
+            !ptx.contains("atom."),
+            "{target}: atomics would break run-to-run reproducibility"
+        );
+        if let Ok(dir) = std::env::var("SSD_DUMP_PTX") {
+            let path = std::path::Path::new(&dir).join(format!("ssd_{target}.ptx"));
+            std::fs::write(&path, &ptx).expect("write PTX");
+            println!("wrote {}", path.display());
+        }
+    }
+}
+
+#[test]
+fn targets_follow_compute_capability() {
+    assert_eq!(kernels::target_for(9, 0).unwrap(), "sm_90a");
+    assert_eq!(kernels::target_for(8, 0).unwrap(), "compute_80");
+    assert_eq!(kernels::target_for(12, 0).unwrap(), "compute_80");
+    let e = kernels::target_for(7, 5).unwrap_err();
+    assert!(e.to_string().contains("no CUDA device"), "{e}");
+}

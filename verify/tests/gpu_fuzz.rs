@@ -1,0 +1,252 @@
+//! The GPU kernels against the float64 reference on seeded random problems covering every
+//! size and option of the contract, plus run-to-run reproducibility and clean refusals.
+//!
+//! Without a GPU these tests print "skipped: no CUDA device" and pass; `SSD_REQUIRE_GPU=1`
+//! makes that a failure. `SSD_GPU_CASES` sets the number of fuzz cases (default 2000),
+//! `SSD_GPU_SEED` the first seed.
+
+mod gpu_support;
+
+use gpu_support::*;
+use rayon::prelude::*;
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use ssd_reference::{Dims, Options};
+
+/// Runs `specs` (seeded) on the GPU and the CPU reference; returns the per-tensor worst
+/// ratios and the failures as text.
+fn run_cases(
+    gpu: &ssd_gpu::Gpu,
+    specs: &[(ProblemSpec, u64)],
+) -> (Vec<[Compared; 4]>, Vec<String>) {
+    let mut results = Vec::with_capacity(specs.len());
+    let mut failures = Vec::new();
+    for batch in specs.chunks(32) {
+        let problems: Vec<_> = batch
+            .par_iter()
+            .map(|(spec, seed)| {
+                let p = random_problem(spec, *seed).expect("valid spec");
+                as_f32_problem(&p)
+            })
+            .collect();
+        let outs: Vec<_> = problems
+            .iter()
+            .zip(batch)
+            .map(|((p32, _), (spec, seed))| {
+                gpu.forward(p32)
+                    .unwrap_or_else(|e| panic!("GPU failed on {}: {e}", describe(spec, *seed)))
+            })
+            .collect();
+        let checked: Vec<_> = problems
+            .par_iter()
+            .zip(outs.par_iter())
+            .map(|((_, p64), o)| check_all(o, &reference(p64)))
+            .collect();
+        for (c, (spec, seed)) in checked.into_iter().zip(batch) {
+            if c.iter().any(|t| t.failures > 0) {
+                let detail: Vec<String> = c
+                    .iter()
+                    .filter(|t| t.failures > 0)
+                    .map(|t| {
+                        format!(
+                            "{}: {} elements over the bound (non-finite {}), worst ratio {:.3} at {:?}, max abs {:.3e}, rel L2 {:.3e}",
+                            t.name, t.failures, t.non_finite, t.worst_ratio, t.worst_index, t.max_abs, t.rel_l2
+                        )
+                    })
+                    .collect();
+                failures.push(format!(
+                    "{}\n    {}",
+                    describe(spec, *seed),
+                    detail.join("\n    ")
+                ));
+            }
+            results.push(c);
+        }
+    }
+    (results, failures)
+}
+
+fn summarise(label: &str, results: &[[Compared; 4]]) {
+    for k in 0..4 {
+        let name = results.first().map_or("", |r| r[k].name);
+        let worst = results.iter().map(|r| r[k].worst_ratio).fold(0.0, f64::max);
+        let worst_l2 = results.iter().map(|r| r[k].rel_l2).fold(0.0, f64::max);
+        let fails: usize = results.iter().map(|r| r[k].failures).sum();
+        println!(
+            "{label}: {name:<13} cases {:>5}  worst error/bound {worst:.3}  worst rel L2 {worst_l2:.2e}  elements over bound {fails}",
+            results.len()
+        );
+    }
+}
+
+#[test]
+fn gpu_fuzz_matches_float64_reference() {
+    let Some(gpu) = gpu_or_skip("gpu_fuzz_matches_float64_reference") else {
+        return;
+    };
+    let cases = env_usize("SSD_GPU_CASES", 2000);
+    let first = env_usize("SSD_GPU_SEED", 1) as u64;
+    let mut rng = Rng::new(0x55D_0000 + first);
+    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
+        .map(|k| (random_spec(&mut rng, 4_000_000), first + k))
+        .collect();
+    let (results, failures) = run_cases(&gpu, &specs);
+    summarise("fuzz", &results);
+    let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
+    println!(
+        "fuzz coverage: seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {} | chunk>=256 {} | dstate>128 {} | headdim%64!=0 {}",
+        count(&|s| s.seq_idx != SeqIdx::None),
+        count(&|s| s.initial_states),
+        count(&|s| s.z),
+        count(&|s| s.d == DSkip::PerHead),
+        count(&|s| s.d == DSkip::PerChannel),
+        count(&|s| s.dt_bias),
+        count(&|s| s.options.dt_softplus),
+        count(&|s| s.options.dt_limit != (0.0, f64::INFINITY)),
+        count(&|s| s.dims.ngroups > 1),
+        count(&|s| s.dims.seqlen % s.options.chunk_size != 0),
+        count(&|s| s.options.chunk_size >= 256),
+        count(&|s| s.dims.dstate > 128),
+        count(&|s| s.dims.headdim % 64 != 0),
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases exceed the bound:\n{}",
+        failures.len(),
+        specs.len(),
+        failures
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
+/// seq_idx, ngroups > 1, every option, dstate at the limit, chunk 256 and the largest chunk.
+pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
+    let dims = |batch, seqlen, nheads, headdim, ngroups, dstate| Dims {
+        batch,
+        seqlen,
+        nheads,
+        headdim,
+        ngroups,
+        dstate,
+    };
+    let mut specs = vec![
+        ProblemSpec::full(dims(2, 300, 4, 40, 2, 72), 64),
+        ProblemSpec::full(dims(1, 517, 2, 64, 1, 256), 256),
+        ProblemSpec::full(dims(1, 70, 2, 16, 2, 16), ssd_gpu::MAX_CHUNK_SIZE),
+        ProblemSpec::full(dims(2, 33, 6, 65, 3, 9), 1),
+        ProblemSpec::plain(dims(1, 256, 2, 64, 1, 128)),
+    ];
+    specs[1].seq_idx = SeqIdx::AtChunkStarts { every: 1 };
+    specs[3].d = DSkip::PerHead;
+    specs[3].seq_idx = SeqIdx::Segments {
+        segments: 3,
+        first: 1,
+    };
+    specs.into_iter().zip(100..).collect()
+}
+
+#[test]
+fn gpu_sanitizer_shapes() {
+    let Some(gpu) = gpu_or_skip("gpu_sanitizer_shapes") else {
+        return;
+    };
+    let specs = sanitizer_specs();
+    let (results, failures) = run_cases(&gpu, &specs);
+    summarise("sanitizer shapes", &results);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn gpu_is_bitwise_reproducible() {
+    let Some(gpu) = gpu_or_skip("gpu_is_bitwise_reproducible") else {
+        return;
+    };
+    let mut rng = Rng::new(77);
+    let mut specs: Vec<ProblemSpec> = (0..6).map(|_| random_spec(&mut rng, 4_000_000)).collect();
+    specs.push(ProblemSpec::full(
+        Dims {
+            batch: 2,
+            seqlen: 1000,
+            nheads: 8,
+            headdim: 64,
+            ngroups: 2,
+            dstate: 128,
+        },
+        256,
+    ));
+    for (k, spec) in specs.iter().enumerate() {
+        let (p32, _) = as_f32_problem(&random_problem(spec, 500 + k as u64).expect("valid spec"));
+        let first = bits(&gpu.forward(&p32).expect("GPU forward"));
+        for _ in 0..3 {
+            let again = bits(&gpu.forward(&p32).expect("GPU forward"));
+            assert!(
+                first == again,
+                "run-to-run difference on {}",
+                describe(spec, 500 + k as u64)
+            );
+        }
+    }
+    println!(
+        "reproducible: {} problems, 4 runs each, bitwise identical",
+        specs.len()
+    );
+}
+
+#[test]
+fn gpu_refuses_unsupported_shapes_cleanly() {
+    let Some(gpu) = gpu_or_skip("gpu_refuses_unsupported_shapes_cleanly") else {
+        return;
+    };
+    let mut spec = ProblemSpec::plain(Dims {
+        batch: 1,
+        seqlen: 10,
+        nheads: 1,
+        headdim: 4,
+        ngroups: 1,
+        dstate: ssd_gpu::MAX_DSTATE + 1,
+    });
+    spec.options = Options {
+        chunk_size: 8,
+        ..Options::default()
+    };
+    let (p32, _) = as_f32_problem(&random_problem(&spec, 1).expect("valid spec"));
+    let err = gpu
+        .forward(&p32)
+        .expect_err("dstate above the limit must be refused");
+    assert!(matches!(err, ssd_gpu::GpuError::Unsupported(_)), "{err}");
+    assert!(err.to_string().contains("dstate"), "{err}");
+}
+
+/// Calibration of the provisional bound without a GPU: the CPU reference's TF32 emulation
+/// (what a correct TF32 kernel computes) must pass it on random problems.
+#[test]
+fn provisional_bound_accepts_the_tf32_emulation() {
+    let cases = env_usize("SSD_BOUND_CASES", 60);
+    let mut rng = Rng::new(0xCA1);
+    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
+        .map(|k| (random_spec(&mut rng, 300_000), 9000 + k))
+        .collect();
+    let results: Vec<_> = specs
+        .par_iter()
+        .map(|(spec, seed)| {
+            let (p32, p64) = as_f32_problem(&random_problem(spec, *seed).expect("valid spec"));
+            let emu = ssd_reference::chunked::forward(&p32, ssd_reference::MatmulPrecision::Tf32);
+            (check_all(&emu, &reference(&p64)), describe(spec, *seed))
+        })
+        .collect();
+    let checked: Vec<[Compared; 4]> = results.iter().map(|(c, _)| c.clone()).collect();
+    summarise("tf32 emulation", &checked);
+    let bad: Vec<&String> = results
+        .iter()
+        .filter(|(c, _)| c.iter().any(|t| t.failures > 0))
+        .map(|(_, d)| d)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "the bound rejects the TF32 emulation on {bad:?}"
+    );
+}
