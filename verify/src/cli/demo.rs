@@ -179,12 +179,14 @@ fn describe_dims(spec: &ProblemSpec) -> String {
     let c = spec.options.chunk_size;
     let nchunks = d.nchunks(c);
     let ragged = if nchunks * c == d.seqlen {
-        String::new()
+        ""
+    } else if nchunks == 1 {
+        ", partial"
     } else {
-        ", the last one partial".to_string()
+        ", the last one partial"
     };
     format!(
-        "batch {} x seqlen {}, {} heads x headdim {}, dstate {}, {} group{} ({} heads each), chunk_size {} ({} chunk{}{ragged})",
+        "batch {} x seqlen {}, {} heads x headdim {}, dstate {}, {} group{} ({} head{} each), chunk_size {} ({} chunk{}{ragged})",
         d.batch,
         d.seqlen,
         d.nheads,
@@ -193,6 +195,7 @@ fn describe_dims(spec: &ProblemSpec) -> String {
         d.ngroups,
         if d.ngroups == 1 { "" } else { "s" },
         d.heads_per_group(),
+        if d.heads_per_group() == 1 { "" } else { "s" },
         c,
         nchunks,
         if nchunks == 1 { "" } else { "s" },
