@@ -346,6 +346,41 @@ fn unusable_cases_leave_no_output_and_keep_an_existing_one() {
 }
 
 #[test]
+fn a_chunk_size_too_large_for_memory_is_refused_not_aborted() {
+    let dir = scratch("hugechunk");
+    let case = write_full_case(&dir);
+    let text = fs::read_to_string(&case).unwrap();
+    fs::write(
+        &case,
+        text.replace("\"chunk_size\": 16", "\"chunk_size\": 1099511627776"),
+    )
+    .unwrap();
+    let out = dir.join("o.safetensors");
+    let o = oracle(&[
+        "run",
+        "--case",
+        s(&case),
+        "--impl",
+        "chunked",
+        "--out",
+        s(&out),
+    ]);
+    assert_refused(&o, &["chunk_size", "GiB"]);
+    assert_files(&dir, &["case.json", "case.safetensors"]);
+    // The naive path has no chunked intermediates: the same case runs.
+    let o = oracle(&[
+        "run",
+        "--case",
+        s(&case),
+        "--impl",
+        "naive",
+        "--out",
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
 fn unusable_output_paths_are_refused() {
     let dir = scratch("badout");
     let case = write_full_case(&dir);

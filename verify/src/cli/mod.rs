@@ -181,6 +181,36 @@ pub fn check_combination(imp: Impl, precision: Precision) -> Result<(), VerifyEr
     Ok(())
 }
 
+/// The most memory the outputs of one computation may take: beyond it a run is refused up front
+/// rather than aborted by a failed allocation.
+const MAX_OUTPUT_BYTES: u128 = 16 << 30;
+
+/// Refuses a problem whose outputs would not fit in memory (a huge `chunk_size` pads
+/// `dA_cumsum` and `chunk_states` on the chunked path).
+///
+/// # Errors
+/// [`VerifyError::Usage`] naming the sizes.
+pub fn check_output_size(problem: &Problem<f64>, imp: Impl) -> Result<(), VerifyError> {
+    let d = problem.dims();
+    let [b, s, h, p, n] = [d.batch, d.seqlen, d.nheads, d.headdim, d.dstate].map(|v| v as u128);
+    let chunk = problem.options().chunk_size as u128;
+    let nchunks = problem.nchunks() as u128;
+    let mut elements = b * s * h * p + b * h * p * n;
+    if imp != Impl::Naive {
+        elements += b * h * nchunks * chunk + b * nchunks * h * p * n;
+    }
+    let bytes = elements * 8;
+    if bytes <= MAX_OUTPUT_BYTES {
+        return Ok(());
+    }
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    Err(VerifyError::Usage(format!(
+        "the outputs of --impl {} would take {gib:.0} GiB (dA_cumsum is [batch, nheads, nchunks, chunk_size] = [{b}, {h}, {nchunks}, {chunk}], chunk_states [{b}, {nchunks}, {h}, {p}, {n}]), more than the {} GiB allowed; a smaller chunk_size gives the same out and final_states",
+        imp.name(),
+        MAX_OUTPUT_BYTES >> 30
+    )))
+}
+
 /// The problem in the precision a computation reads: `f64` as given, or rounded to `f32`.
 pub enum Prepared<'a> {
     F64(&'a Problem<f64>),

@@ -9,7 +9,7 @@ use serde_json::json;
 use ssd_verify::fixture::{self, Outputs};
 use ssd_verify::VerifyError;
 
-use super::{check_combination, compute, Impl, Precision, Prepared};
+use super::{check_combination, check_output_size, compute, Impl, Precision, Prepared};
 
 /// Compute a case and write `out` and `final_states` (plus `dA_cumsum` and `chunk_states` for
 /// the chunked path) to a safetensors file: F64 for --precision f64, F32 otherwise.
@@ -62,6 +62,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         }
     }
     let problem = &loaded.case.problem;
+    check_output_size(problem, args.implementation)?;
     let prepared = Prepared::new(problem, args.precision);
 
     let progress = (args.repeat > 1).then(|| {
