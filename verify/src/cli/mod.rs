@@ -1,6 +1,9 @@
 //! The `ssd-oracle` command line: one variant of [`Command`] per subcommand, each handled in
 //! `cli/<name>.rs` by a `run(&Args) -> Result<ExitCode, VerifyError>`.
 //!
+//! This module tree belongs to the binary: whatever another program could reuse (reading
+//! cases, the tolerance model, ...) lives in the `ssd_verify` library and is used from here.
+//!
 //! Errors reach the user as one line, `error: <message>`, on stderr, with exit status 2
 //! ("unusable input"); 1 is kept for verdicts ("the candidate is wrong").
 
