@@ -4,8 +4,16 @@
 //! - [`fixture`]: read and write cases (`ssd-fixture/1`: a JSON manifest plus a safetensors
 //!   file) and any tensor file, such as a kernel's output under test.
 //! - [`error`]: the crate's one error type, [`VerifyError`].
+//! - [`tolerance`]: the error model (per-element bounds) and the comparison of a candidate's
+//!   outputs with the float64 reference; [`magnitude`] computes its magnitudes.
+//! - [`fuzz`]: proptest strategies for valid problems over every size and option.
+//! - [`suites`]: the fixture suites `ssd-oracle gen` writes.
 
 pub mod error;
 pub mod fixture;
+pub mod fuzz;
+pub mod magnitude;
+pub mod suites;
+pub mod tolerance;
 
 pub use error::VerifyError;

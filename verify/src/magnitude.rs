@@ -1,0 +1,393 @@
+//! Magnitudes and first-order error budgets of every output element: the input of the error
+//! bound ([`crate::tolerance`]). `docs/tolerances.md` derives every coefficient used here.
+//!
+//! Every output element is a sum of *terms*. With `w(t, s) = exp(sum_{k=s+1..t} a_k)`,
+//! `a_k = dt'_k A_h`, the state of row `b`, head `h` after token `t` is
+//!
+//! ```text
+//! S_t[p, n] = sum_{s <= t, same sequence} w(t, s) dt'_s x_s[p] B_s[n]  (+ w(t, -1) S_init[p, n])
+//! ```
+//!
+//! and `y_t[p] = sum_n C_t[n] S_t[p, n] + D x_t[p]`, `out = y silu(z)`. The *magnitude* `M` of
+//! an element is the same sum over the absolute values of its terms (the algorithm run on `|x|`,
+//! `|B|`, `|C|`, `|D|`, `|initial_states|`, `|silu(z)|`, decays unchanged). Each term `T` also
+//! carries a first-order relative error coefficient `e(T)`, so that a correct implementation's
+//! error is at most `sum_T |T| e(T)`. The coefficients fall in groups by the unit roundoff
+//! they multiply, and the pass returns one weighted magnitude per group ([`Channels`]):
+//!
+//! - `acc`: `sum |T| e_acc(T)`, roundings of the working arithmetic (f32 or f64): input
+//!   conversion of `dt`, `A`, `D`, `dt_bias`, `initial_states`; products; `exp`; sums of
+//!   `dstate`, `chunk_size` and `nchunks` terms in any order; the cumsum of `dt' A`, whose
+//!   absolute error moves the argument of every `exp` and grows with the decay it spans; the
+//!   `dt'` processing; the gate. Plus the absolute error of `dt'` itself
+//!   (`rho_s |x_s| |B_s|`, see [`dt_sensitivity`]).
+//! - `io`: `sum |T| e_io(T)`, the rounding of `x`, `B`, `C`, `z` to the kernel's input format.
+//! - `op`: `sum |T| e_op(T)`, the rounding of matrix-product operands (TF32, BF16): at most
+//!   four per term (two products in a chain).
+//! - `tok`: `sum |T| (t - s)`, the number of time steps a term went through: the float64 naive
+//!   recurrence (the reference) rounds once per step.
+//!
+//! All quantities are computed in f64 from the (exact) inputs of the problem.
+use ndarray::{Array4, Array5, ArrayD};
+use rayon::prelude::*;
+use ssd_reference::Problem;
+
+/// The weighted magnitudes of one output tensor, each of the tensor's shape.
+#[derive(Debug, Clone)]
+pub struct Channels {
+    /// `M`: the output computed on absolute values.
+    pub mag: ArrayD<f64>,
+    /// `sum |T| e_acc(T)` (multiplies the working arithmetic's unit roundoff).
+    pub acc: ArrayD<f64>,
+    /// `sum |T| e_io(T)` (multiplies the unit roundoff of the `x`, `B`, `C`, `z` inputs).
+    pub io: ArrayD<f64>,
+    /// `sum |T| e_op(T)` (multiplies the unit roundoff of matrix-product operands).
+    pub op: ArrayD<f64>,
+    /// `sum |T| (steps)` (multiplies 4 times the reference's unit roundoff).
+    pub tok: ArrayD<f64>,
+}
+
+/// The weighted magnitudes of the four outputs, and the scale of the underflow floor.
+#[allow(non_snake_case)]
+#[derive(Debug, Clone)]
+pub struct Magnitudes {
+    /// `[batch, seqlen, nheads, headdim]`
+    pub out: Channels,
+    /// `[batch, nheads, headdim, dstate]`
+    pub final_states: Channels,
+    /// `[batch, nheads, nchunks, chunk_size]`
+    pub dA_cumsum: Channels,
+    /// `[batch, nchunks, nheads, headdim, dstate]`
+    pub chunk_states: Channels,
+    /// `F`: an upper bound on the sum, over the terms of any element, of the product of the
+    /// term's factors other than the decay; the floor is `eta * F` ([`crate::tolerance`]).
+    pub floor_scale: f64,
+}
+
+/// Coefficient of a chunk boundary crossed by a state: `exp` (2), the multiply and the add.
+const CROSSING: f64 = 4.0;
+/// Creation of a term: products `dt' x`, `* B`, `* w` (3) and one `exp` (2).
+const PRODUCTS: f64 = 5.0;
+/// Output level: the `C` product, the two additions `C S + intra + D x` (on top of the
+/// `dstate - 1` of the dot product).
+const OUT_EXTRA: f64 = 3.0;
+/// `D x`: conversion of `D`, the product, the two additions.
+const D_TERM: f64 = 4.0;
+/// The gate `y * (z / (1 + exp(-z)))`: `exp`, add, divide, multiply.
+const GATE: f64 = 4.0;
+
+/// The error scale `rho` of the processed step `dt'` of one token: a correct implementation
+/// computes `dt'` with an absolute error of at most `u * rho`.
+///
+/// With `v = dt + dt_bias` and `s = softplus'(v) = sigmoid(v)` when softplus applies (1
+/// otherwise): rounding `dt` and `dt_bias` and adding them errs by `2u (|dt| + |dt_bias|)` in
+/// `v`, which moves `dt'` by `s` times that; `log1p(exp(v))` itself errs by `2u |dt'|`
+/// (`sigmoid <= softplus`). The clamp is 1-Lipschitz and its limits are rounded once
+/// (`u |dt'|`). So `rho = 2 s (|dt| + |dt_bias|) + 2 |dt'|`.
+pub fn dt_sensitivity(p: &Problem<f64>, b: usize, t: usize, h: usize) -> f64 {
+    let i = p.inputs();
+    let dt = i.dt[[b, t, h]];
+    let bias = i.dt_bias.as_ref().map_or(0.0, |d| d[h]);
+    let v = dt + bias;
+    let s = if p.options().dt_softplus && v <= 20.0 {
+        1.0 / (1.0 + (-v).exp())
+    } else {
+        1.0
+    };
+    2.0 * s * (dt.abs() + bias.abs()) + 2.0 * p.dt_processed(b, t, h).abs()
+}
+
+/// `|silu(z)|` and the relative sensitivity `|z silu'(z) / silu(z)| = |1 + z (1 - sigmoid(z))|`
+/// of the gate to a relative change of `z`.
+fn gate_parts(z: f64) -> (f64, f64) {
+    let sig = 1.0 / (1.0 + (-z).exp());
+    ((z * sig).abs(), (1.0 + z * (1.0 - sig)).abs())
+}
+
+/// One (batch, head) lane's results, flat, channel-major per element.
+struct Lane {
+    /// `[seqlen][headdim][5]`
+    out: Vec<[f64; 5]>,
+    /// `[headdim * dstate][5]`
+    fin: Vec<[f64; 5]>,
+    /// `[nchunks * headdim * dstate][5]`
+    chunks: Vec<[f64; 5]>,
+    /// `[nchunks * chunk_size][2]`: magnitude and `acc` of `dA_cumsum`
+    cumsum: Vec<[f64; 2]>,
+}
+
+/// Computes the magnitudes and error budgets of every output of `p`.
+///
+/// Cost: about three times the naive recurrence (three state channels), parallel over
+/// (batch, head).
+pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
+    let d = *p.dims();
+    let nc = p.nchunks();
+    let l = p.options().chunk_size;
+    let lanes: Vec<Lane> = (0..d.batch * d.nheads)
+        .into_par_iter()
+        .map(|bh| lane(p, bh / d.nheads, bh % d.nheads))
+        .collect();
+
+    let (bsz, t_len, nh, hd, ds) = (d.batch, d.seqlen, d.nheads, d.headdim, d.dstate);
+    let mut out: Vec<Array4<f64>> = (0..5)
+        .map(|_| Array4::zeros((bsz, t_len, nh, hd)))
+        .collect();
+    let mut fin: Vec<Array4<f64>> = (0..5).map(|_| Array4::zeros((bsz, nh, hd, ds))).collect();
+    let mut chunks: Vec<Array5<f64>> = (0..5)
+        .map(|_| Array5::zeros((bsz, nc, nh, hd, ds)))
+        .collect();
+    let mut cs_mag = Array4::<f64>::zeros((bsz, nh, nc, l));
+    let mut cs_acc = Array4::<f64>::zeros((bsz, nh, nc, l));
+    for (bh, ln) in lanes.iter().enumerate() {
+        let (b, h) = (bh / nh, bh % nh);
+        for t in 0..t_len {
+            for pp in 0..hd {
+                let v = ln.out[t * hd + pp];
+                for (k, a) in out.iter_mut().enumerate() {
+                    a[[b, t, h, pp]] = v[k];
+                }
+            }
+        }
+        for pp in 0..hd {
+            for n in 0..ds {
+                let v = ln.fin[pp * ds + n];
+                for (k, a) in fin.iter_mut().enumerate() {
+                    a[[b, h, pp, n]] = v[k];
+                }
+                for c in 0..nc {
+                    let v = ln.chunks[(c * hd + pp) * ds + n];
+                    for (k, a) in chunks.iter_mut().enumerate() {
+                        a[[b, c, h, pp, n]] = v[k];
+                    }
+                }
+            }
+        }
+        for c in 0..nc {
+            for k in 0..l {
+                let [m, e] = ln.cumsum[c * l + k];
+                cs_mag[[b, h, c, k]] = m;
+                cs_acc[[b, h, c, k]] = e;
+            }
+        }
+    }
+    let channels = |v: Vec<ArrayD<f64>>| {
+        let mut it = v.into_iter();
+        let mut next = || it.next().expect("five channels");
+        Channels {
+            mag: next(),
+            acc: next(),
+            io: next(),
+            op: next(),
+            tok: next(),
+        }
+    };
+    let zeros = ArrayD::<f64>::zeros(cs_mag.shape());
+    Magnitudes {
+        out: channels(out.into_iter().map(|a| a.into_dyn()).collect()),
+        final_states: channels(fin.into_iter().map(|a| a.into_dyn()).collect()),
+        chunk_states: channels(chunks.into_iter().map(|a| a.into_dyn()).collect()),
+        dA_cumsum: Channels {
+            mag: cs_mag.into_dyn(),
+            acc: cs_acc.into_dyn(),
+            io: zeros.clone(),
+            op: zeros.clone(),
+            tok: zeros,
+        },
+        floor_scale: floor_scale(p),
+    }
+}
+
+/// The budget recurrence of one (batch, head) lane. See the module documentation and
+/// `docs/tolerances.md` for every coefficient.
+fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
+    let d = *p.dims();
+    let i = p.inputs();
+    let (hd, ds) = (d.headdim, d.dstate);
+    let l = p.options().chunk_size;
+    let nc = p.nchunks();
+    let g = d.group_of_head(h);
+    // Sums over chunk positions have at most min(chunk_size, seqlen) terms.
+    let l_eff = l.min(d.seqlen) as f64;
+    let a_abs = i.A[h].abs();
+    let nstate = hd * ds;
+
+    // State channels: magnitude, acc budget, token steps.
+    let mut sm = vec![0.0; nstate];
+    let mut se = vec![0.0; nstate];
+    let mut sk = vec![0.0; nstate];
+    let init = i.initial_states.as_ref();
+    if let Some(s0) = init {
+        if p.seq_idx_at(b, 0) == 0 {
+            for pp in 0..hd {
+                for n in 0..ds {
+                    let v = s0[[b, h, pp, n]].abs();
+                    sm[pp * ds + n] = v;
+                    se[pp * ds + n] = v; // conversion of initial_states
+                }
+            }
+        }
+    }
+
+    let mut lane = Lane {
+        out: vec![[0.0; 5]; d.seqlen * hd],
+        fin: vec![[0.0; 5]; nstate],
+        chunks: vec![[0.0; 5]; nc * nstate],
+        cumsum: vec![[0.0; 2]; nc * l],
+    };
+    let record = |dst: &mut [[f64; 5]], sm: &[f64], se: &[f64], sk: &[f64]| {
+        for k in 0..nstate {
+            dst[k] = [sm[k], se[k], 2.0 * sm[k], 2.0 * sm[k], sk[k]];
+        }
+    };
+
+    let c_abs: Vec<f64> = (0..d.seqlen * ds)
+        .map(|k| i.C[[b, k / ds, g, k % ds]].abs())
+        .collect();
+    let mut prev_seq = 0i64;
+    let mut cum_mag = 0.0; // sum of |a| since the chunk start
+    let mut phi = 0.0; // absolute error coefficient of the chunk's cumsum at t
+    for t in 0..d.seqlen {
+        if t % l == 0 {
+            let c = t / l;
+            // The pass into chunk c (exp of the last chunk's cumsum, multiply, add).
+            for k in 0..nstate {
+                se[k] += CROSSING * sm[k];
+            }
+            let dst = &mut lane.chunks[c * nstate..(c + 1) * nstate];
+            if c == 0 {
+                // chunk_states[:, 0] is initial_states, whatever seq_idx says.
+                for pp in 0..hd {
+                    for n in 0..ds {
+                        let v = init.map_or(0.0, |s0| s0[[b, h, pp, n]].abs());
+                        dst[pp * ds + n] = [v, v, 2.0 * v, 2.0 * v, 0.0];
+                    }
+                }
+            } else {
+                record(dst, &sm, &se, &sk);
+            }
+            cum_mag = 0.0;
+            phi = 0.0;
+        }
+        let seq = p.seq_idx_at(b, t);
+        if seq != prev_seq {
+            sm.iter_mut().for_each(|v| *v = 0.0);
+            se.iter_mut().for_each(|v| *v = 0.0);
+            sk.iter_mut().for_each(|v| *v = 0.0);
+        }
+        prev_seq = seq;
+
+        let dtp = p.dt_processed(b, t, h);
+        let rho = dt_sensitivity(p, b, t, h);
+        let a = dtp * i.A[h];
+        let decay = a.exp();
+        // Error of a_t = dt' A as computed: the product, the conversion of A, and dt''s own.
+        let a_err = a_abs * (rho + 2.0 * dtp.abs());
+        // Existing terms: their exp argument spans one more cumsum term (summed with at most
+        // chunk_size - 1 others, plus the subtraction cs_t - cs_s).
+        let inc = l_eff * a.abs() + a_err;
+        cum_mag += a.abs();
+        phi += (l_eff - 1.0) * a.abs() + a_err;
+        lane.cumsum[(t / l) * l + t % l] = [cum_mag, phi];
+        // A new term: products and exp, the sum over chunk positions, and the cumsum at both
+        // ends of its exp argument (2 phi).
+        let e0 = PRODUCTS + (l_eff - 1.0) + 2.0 * phi;
+
+        for pp in 0..hd {
+            let xp = i.x[[b, t, h, pp]].abs();
+            let row = pp * ds;
+            for n in 0..ds {
+                let bn = i.B[[b, t, g, n]].abs();
+                let nt = dtp.abs() * xp * bn;
+                let k = row + n;
+                let m_old = sm[k];
+                se[k] = decay * (se[k] + inc * m_old) + e0 * nt + rho * xp * bn;
+                sk[k] = decay * (sk[k] + m_old);
+                sm[k] = decay * m_old + nt;
+            }
+        }
+
+        // Output level.
+        let c_t = &c_abs[t * ds..(t + 1) * ds];
+        for pp in 0..hd {
+            let row = pp * ds;
+            let (mut s1, mut s2, mut s3) = (0.0, 0.0, 0.0);
+            for n in 0..ds {
+                s1 += c_t[n] * sm[row + n];
+                s2 += c_t[n] * se[row + n];
+                s3 += c_t[n] * sk[row + n];
+            }
+            let xp = i.x[[b, t, h, pp]].abs();
+            let dx = p.d_skip(h, pp).abs() * xp;
+            let m_y = s1 + dx;
+            // dot of dstate terms (dstate - 1), the C product and the two additions.
+            let acc_y = s2 + (ds as f64 - 1.0 + OUT_EXTRA) * s1 + D_TERM * dx;
+            // C (and x in D x) converted; the terms' x and B are counted at creation.
+            let io_y = 2.0 * s1 + s1 + dx;
+            // two more operands (C and the state, or the scaled C B^T and x).
+            let op_y = 2.0 * s1 + 2.0 * s1;
+            let v = match &i.z {
+                None => [m_y, acc_y, io_y, op_y, s3],
+                Some(z) => {
+                    let (gz, q) = gate_parts(z[[b, t, h, pp]]);
+                    [
+                        gz * m_y,
+                        gz * (acc_y + GATE * m_y),
+                        gz * (io_y + q * m_y),
+                        gz * op_y,
+                        gz * s3,
+                    ]
+                }
+            };
+            lane.out[t * hd + pp] = v;
+        }
+    }
+    // Positions past seqlen in the last chunk: the cumsum stays flat.
+    let last = d.seqlen - 1;
+    for k in (last % l + 1)..l {
+        lane.cumsum[(last / l) * l + k] = [cum_mag, phi];
+    }
+    // The final pass out of the last chunk.
+    for k in 0..nstate {
+        se[k] += CROSSING * sm[k];
+    }
+    record(&mut lane.fin, &sm, &se, &sk);
+    lane
+}
+
+/// `F` of [`Magnitudes::floor_scale`]: `(seqlen + 2) (dstate + 2) X (1 + max |z|)`, with `X`
+/// the largest product of a term's non-decay factors,
+/// `(1 + max|C|) (1 + max|dt'| max|x| max|B| + max|S_init|) + max|D| max|x|`,
+/// plus `chunk_size max|dt' A|` for `dA_cumsum`.
+fn floor_scale(p: &Problem<f64>) -> f64 {
+    let d = *p.dims();
+    let i = p.inputs();
+    let max_abs = |it: &mut dyn Iterator<Item = f64>| it.fold(0.0_f64, |m, v| m.max(v.abs()));
+    let mx = max_abs(&mut i.x.iter().copied());
+    let mb = max_abs(&mut i.B.iter().copied());
+    let mc = max_abs(&mut i.C.iter().copied());
+    let md =
+        i.D.as_ref()
+            .map_or(0.0, |a| max_abs(&mut a.iter().copied()));
+    let mz =
+        i.z.as_ref()
+            .map_or(0.0, |a| max_abs(&mut a.iter().copied()));
+    let ms = i
+        .initial_states
+        .as_ref()
+        .map_or(0.0, |a| max_abs(&mut a.iter().copied()));
+    let mut mdt = 0.0_f64;
+    let mut ma = 0.0_f64;
+    for b in 0..d.batch {
+        for t in 0..d.seqlen {
+            for h in 0..d.nheads {
+                let v = p.dt_processed(b, t, h).abs();
+                mdt = mdt.max(v);
+                ma = ma.max(v * i.A[h].abs());
+            }
+        }
+    }
+    let x = (1.0 + mc) * (1.0 + mdt * mx * mb + ms) + md * mx;
+    (d.seqlen as f64 + 2.0) * (d.dstate as f64 + 2.0) * x * (1.0 + mz)
+        + p.options().chunk_size as f64 * ma
+}

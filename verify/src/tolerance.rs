@@ -1,0 +1,604 @@
+//! The error model: a per-element bound on how far a correct implementation may be from the
+//! float64 reference, and the comparison of a candidate's outputs against it.
+//!
+//! For every element of `out`, `final_states`, `dA_cumsum` and `chunk_states`:
+//!
+//! ```text
+//! |candidate - reference| <= SAFETY * ( (u_acc + u_ref) acc + u_io io + u_op op + 4 u_ref tok
+//!                                       + eta F )
+//!                            + u_store |reference| + eta_store
+//! ```
+//!
+//! where `acc`, `io`, `op`, `tok` are the element's weighted magnitudes
+//! ([`crate::magnitude`]: its terms' absolute values times their first-order error
+//! coefficients), `u_*` the unit roundoffs of the claimed arithmetic ([`Precision::units`]),
+//! `u_ref = 2^-53` the reference's own, `F` the underflow scale, and `u_store`, `eta_store`
+//! the rounding of the candidate's storage dtype. Written as `kappa u M` with `M` the plain
+//! magnitude, the effective `kappa` of an element is its bound over `u M`; `docs/tolerances.md`
+//! derives every coefficient and records the calibration.
+//!
+//! [`Oracle`] computes the reference and the magnitudes of a problem once and checks any
+//! number of candidates against them.
+use std::fmt;
+
+use ndarray::ArrayD;
+use serde::Serialize;
+use ssd_reference::{chunked, naive, ChunkedOutput, MatmulPrecision, Output, Problem, Real};
+
+use crate::error::VerifyError;
+use crate::fixture::{Dtype, Expected, Outputs};
+use crate::magnitude::{magnitudes, Channels, Magnitudes};
+
+/// Multiplies the first-order budget: covers the second-order terms the analysis drops and
+/// one more rounded operand than the analysis counts.
+pub const SAFETY: f64 = 2.0;
+
+/// The arithmetic a candidate claims to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// float64 throughout.
+    F64,
+    /// float32 throughout (inputs rounded to f32 once).
+    F32,
+    /// float32 with every matrix-product operand rounded to TF32 (10 explicit mantissa bits),
+    /// accumulation in f32: a TF32 tensor-core kernel.
+    Tf32,
+    /// `x`, `B`, `C`, `z` rounded to bfloat16 before the kernel and every matrix-product
+    /// operand rounded to bfloat16, accumulation and everything else in f32.
+    Bf16,
+}
+
+/// The unit roundoffs one [`Precision`] stands for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Units {
+    /// The working arithmetic (sums, products, `exp`, the cumsum, `dt'`, the gate).
+    pub acc: f64,
+    /// The conversion of `x`, `B`, `C`, `z` to the kernel's input format.
+    pub io: f64,
+    /// The rounding of matrix-product operands beyond `acc` (0 when operands are not rounded).
+    pub op: f64,
+    /// The float64 reference's own arithmetic.
+    pub reference: f64,
+    /// The smallest normal number of the working arithmetic (underflow, flush to zero).
+    pub eta: f64,
+}
+
+const U64: f64 = 1.0 / 9_007_199_254_740_992.0; // 2^-53
+const U32: f64 = 1.0 / 16_777_216.0; // 2^-24
+const U_TF32: f64 = 1.0 / 2048.0; // 2^-11
+const U_BF16: f64 = 1.0 / 256.0; // 2^-8
+const ETA64: f64 = f64::MIN_POSITIVE; // 2^-1022
+const ETA32: f64 = f32::MIN_POSITIVE as f64; // 2^-126
+
+impl Precision {
+    /// Every precision, strictest first.
+    pub const ALL: [Precision; 4] = [
+        Precision::F64,
+        Precision::F32,
+        Precision::Tf32,
+        Precision::Bf16,
+    ];
+
+    /// `"f64"`, `"f32"`, `"tf32"`, `"bf16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F64 => "f64",
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The headline unit roundoff `u` (the one `kappa` is quoted in): `2^-53`, `2^-24`,
+    /// `2^-11` (TF32 keeps 11 significant bits), `2^-8` (bfloat16 keeps 8).
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Precision::F64 => U64,
+            Precision::F32 => U32,
+            Precision::Tf32 => U_TF32,
+            Precision::Bf16 => U_BF16,
+        }
+    }
+
+    /// The unit roundoffs of each group of roundings (see [`Units`]).
+    pub fn units(self) -> Units {
+        let (acc, io, op, eta) = match self {
+            Precision::F64 => (U64, U64, 0.0, ETA64),
+            Precision::F32 => (U32, U32, 0.0, ETA32),
+            Precision::Tf32 => (U32, U32, U_TF32, ETA32),
+            Precision::Bf16 => (U32, U_BF16, U_BF16, ETA32),
+        };
+        Units {
+            acc,
+            io,
+            op,
+            reference: U64,
+            eta,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Rounding of a value stored in `dtype`: relative `u_store` and absolute `eta_store` (half
+/// the spacing of the subnormals).
+pub fn storage_rounding(dtype: Dtype) -> (f64, f64) {
+    match dtype {
+        Dtype::F64 | Dtype::I64 | Dtype::I32 => (U64, 0.0),
+        Dtype::F32 => (U32, f32::MIN_POSITIVE as f64 * U32),
+        Dtype::BF16 => (U_BF16, f32::MIN_POSITIVE as f64 * U_BF16),
+        Dtype::F16 => (1.0 / 2048.0, 6.103_515_625e-5 / 2048.0),
+    }
+}
+
+/// The four outputs, in the contract's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum OutputName {
+    #[serde(rename = "out")]
+    Out,
+    #[serde(rename = "final_states")]
+    FinalStates,
+    #[serde(rename = "dA_cumsum")]
+    DACumsum,
+    #[serde(rename = "chunk_states")]
+    ChunkStates,
+}
+
+impl OutputName {
+    /// In the contract's order.
+    pub const ALL: [OutputName; 4] = [
+        OutputName::Out,
+        OutputName::FinalStates,
+        OutputName::DACumsum,
+        OutputName::ChunkStates,
+    ];
+
+    /// The contract's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            OutputName::Out => "out",
+            OutputName::FinalStates => "final_states",
+            OutputName::DACumsum => "dA_cumsum",
+            OutputName::ChunkStates => "chunk_states",
+        }
+    }
+
+    /// The names of the axes, for reporting an index.
+    pub fn axes(self) -> &'static [&'static str] {
+        match self {
+            OutputName::Out => &["batch", "token", "head", "channel"],
+            OutputName::FinalStates => &["batch", "head", "channel", "state"],
+            OutputName::DACumsum => &["batch", "head", "chunk", "position"],
+            OutputName::ChunkStates => &["batch", "chunk", "head", "channel", "state"],
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for OutputName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Magnitudes {
+    /// The channels of one output.
+    pub fn channels(&self, name: OutputName) -> &Channels {
+        match name {
+            OutputName::Out => &self.out,
+            OutputName::FinalStates => &self.final_states,
+            OutputName::DACumsum => &self.dA_cumsum,
+            OutputName::ChunkStates => &self.chunk_states,
+        }
+    }
+}
+
+/// The bound of one element (see the module documentation).
+#[inline]
+fn element_bound(
+    u: &Units,
+    floor: f64,
+    (u_store, eta_store): (f64, f64),
+    [acc, io, op, tok]: [f64; 4],
+    reference: f64,
+) -> f64 {
+    SAFETY * ((u.acc + u.reference) * acc + u.io * io + u.op * op + 4.0 * u.reference * tok + floor)
+        + u_store * reference.abs()
+        + eta_store
+}
+
+/// The per-element bound of output `name` for a candidate computed in `precision` and stored
+/// as `storage`.
+pub fn bounds(
+    mags: &Magnitudes,
+    name: OutputName,
+    reference: &ArrayD<f64>,
+    precision: Precision,
+    storage: Dtype,
+) -> ArrayD<f64> {
+    let u = precision.units();
+    let ch = mags.channels(name);
+    let floor = u.eta * mags.floor_scale;
+    let st = storage_rounding(storage);
+    let mut out = ArrayD::zeros(reference.shape());
+    ndarray::Zip::from(&mut out)
+        .and(reference)
+        .and(&ch.acc)
+        .and(&ch.io)
+        .and(&ch.op)
+        .and(&ch.tok)
+        .for_each(|o, &r, &acc, &io, &op, &tok| {
+            *o = element_bound(&u, floor, st, [acc, io, op, tok], r);
+        });
+    out
+}
+
+/// The element that is furthest over (or closest to) its bound.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Worst {
+    /// Row-major index, one entry per axis of [`OutputName::axes`].
+    pub index: Vec<usize>,
+    pub candidate: f64,
+    pub expected: f64,
+    /// `|candidate - expected|` (infinite for a NaN or infinite candidate).
+    pub error: f64,
+    pub bound: f64,
+    /// `error / bound`: above 1 fails.
+    pub ratio: f64,
+    /// The plain magnitude `M` of the element.
+    pub magnitude: f64,
+}
+
+/// The comparison of one output tensor.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorReport {
+    pub name: OutputName,
+    pub shape: Vec<usize>,
+    /// The dtype the candidate stored this tensor in.
+    pub dtype: String,
+    pub elements: usize,
+    /// Largest `|candidate - expected|` over the finite elements.
+    pub max_abs_error: f64,
+    /// `||candidate - expected||_2 / ||expected||_2` over all elements (infinite when an
+    /// element is not finite; the plain norm of the error when the expected values are all 0).
+    pub rel_l2: f64,
+    /// Number of elements over their bound, the non-finite ones included.
+    pub exceeding: usize,
+    /// Number of NaN or infinite candidate elements.
+    pub non_finite: usize,
+    /// Index of the first non-finite candidate element.
+    pub first_non_finite: Option<Vec<usize>>,
+    /// The element with the largest error/bound ratio (a non-finite one first).
+    pub worst: Option<Worst>,
+    /// Largest `error / bound / (u M)` effective kappa of the bound over the tensor (the bound
+    /// without the floor, over `u M`), for the record.
+    pub kappa_max: f64,
+}
+
+impl TensorReport {
+    /// No element over its bound, none non-finite.
+    pub fn passed(&self) -> bool {
+        self.exceeding == 0
+    }
+
+    /// The worst error/bound ratio (0 for an empty tensor, infinite for a non-finite element).
+    pub fn max_ratio(&self) -> f64 {
+        self.worst.as_ref().map_or(0.0, |w| w.ratio)
+    }
+}
+
+/// The comparison of a set of candidate outputs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Verdict {
+    pub precision: Precision,
+    pub tensors: Vec<TensorReport>,
+}
+
+impl Verdict {
+    /// Every tensor passed.
+    pub fn passed(&self) -> bool {
+        self.tensors.iter().all(TensorReport::passed)
+    }
+
+    /// The worst error/bound ratio over every tensor.
+    pub fn max_ratio(&self) -> f64 {
+        self.tensors
+            .iter()
+            .map(TensorReport::max_ratio)
+            .fold(0.0, f64::max)
+    }
+
+    /// The report of one output, when it was compared.
+    pub fn tensor(&self, name: OutputName) -> Option<&TensorReport> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// One line per failing tensor: name, count over the bound, worst element.
+    pub fn failures(&self) -> Vec<String> {
+        self.tensors
+            .iter()
+            .filter(|t| !t.passed())
+            .map(|t| {
+                let w = t.worst.as_ref();
+                format!(
+                    "{}: {} of {} elements over the bound ({} not finite), worst at {:?}: {} vs {} (ratio {:.3e})",
+                    t.name,
+                    t.exceeding,
+                    t.elements,
+                    t.non_finite,
+                    w.map(|w| w.index.clone()).unwrap_or_default(),
+                    w.map_or(f64::NAN, |w| w.candidate),
+                    w.map_or(f64::NAN, |w| w.expected),
+                    t.max_ratio()
+                )
+            })
+            .collect()
+    }
+}
+
+/// Candidate outputs to check: `out` always, the others when the implementation produced them,
+/// all widened to f64, with the dtype they were stored in (the storage rounding is part of the
+/// bound).
+#[allow(non_snake_case)]
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub out: ArrayD<f64>,
+    pub final_states: Option<ArrayD<f64>>,
+    pub dA_cumsum: Option<ArrayD<f64>>,
+    pub chunk_states: Option<ArrayD<f64>>,
+    /// The dtype the values were produced or stored in (`F32` for an f32 kernel).
+    pub dtype: Dtype,
+}
+
+fn dtype_of<T: Real>() -> Dtype {
+    if std::mem::size_of::<T>() == 8 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    }
+}
+
+fn widen<T: Real, D: ndarray::Dimension>(a: &ndarray::Array<T, D>) -> ArrayD<f64> {
+    a.mapv(Real::as_f64).into_dyn()
+}
+
+impl<T: Real> From<&ChunkedOutput<T>> for Candidate {
+    fn from(o: &ChunkedOutput<T>) -> Self {
+        Candidate {
+            out: widen(&o.out),
+            final_states: Some(widen(&o.final_states)),
+            dA_cumsum: Some(widen(&o.dA_cumsum)),
+            chunk_states: Some(widen(&o.chunk_states)),
+            dtype: dtype_of::<T>(),
+        }
+    }
+}
+
+impl<T: Real> From<&Output<T>> for Candidate {
+    fn from(o: &Output<T>) -> Self {
+        Candidate {
+            out: widen(&o.out),
+            final_states: Some(widen(&o.final_states)),
+            dA_cumsum: None,
+            chunk_states: None,
+            dtype: dtype_of::<T>(),
+        }
+    }
+}
+
+impl<T: Real> From<&Outputs<T>> for Candidate {
+    fn from(o: &Outputs<T>) -> Self {
+        Candidate {
+            out: widen(&o.out),
+            final_states: Some(widen(&o.final_states)),
+            dA_cumsum: o.dA_cumsum.as_ref().map(widen),
+            chunk_states: o.chunk_states.as_ref().map(widen),
+            dtype: dtype_of::<T>(),
+        }
+    }
+}
+
+impl Candidate {
+    /// The present tensors, in the contract's order.
+    pub fn tensors(&self) -> Vec<(OutputName, &ArrayD<f64>)> {
+        let mut v = vec![(OutputName::Out, &self.out)];
+        for (name, t) in [
+            (OutputName::FinalStates, &self.final_states),
+            (OutputName::DACumsum, &self.dA_cumsum),
+            (OutputName::ChunkStates, &self.chunk_states),
+        ] {
+            if let Some(t) = t {
+                v.push((name, t));
+            }
+        }
+        v
+    }
+}
+
+/// The float64 reference values of the four outputs of `p`: `out` and `final_states` from the
+/// naive recurrence (the ground truth), `dA_cumsum` and `chunk_states` from the chunked path
+/// in f64 (the naive recurrence has no intermediates).
+pub fn reference_outputs(p: &Problem<f64>) -> [ArrayD<f64>; 4] {
+    let n = naive::forward(p);
+    let c = chunked::forward(p, MatmulPrecision::Native);
+    [
+        n.out.into_dyn(),
+        n.final_states.into_dyn(),
+        c.dA_cumsum.into_dyn(),
+        c.chunk_states.into_dyn(),
+    ]
+}
+
+/// The reference values and magnitudes of one problem, computed once; checks candidates.
+#[derive(Debug, Clone)]
+pub struct Oracle {
+    reference: [ArrayD<f64>; 4],
+    mags: Magnitudes,
+}
+
+impl Oracle {
+    /// Computes the float64 reference ([`reference_outputs`]) and the magnitudes of `p`.
+    pub fn new(p: &Problem<f64>) -> Self {
+        let (reference, mags) = rayon::join(|| reference_outputs(p), || magnitudes(p));
+        Oracle { reference, mags }
+    }
+
+    /// Like [`Oracle::new`], but takes the expected values a case carries instead of computing
+    /// them (those it lacks are computed).
+    pub fn with_expected(p: &Problem<f64>, expected: &Expected) -> Self {
+        let given = [
+            expected.out.as_ref().map(|a| a.clone().into_dyn()),
+            expected.final_states.as_ref().map(|a| a.clone().into_dyn()),
+            expected.dA_cumsum.as_ref().map(|a| a.clone().into_dyn()),
+            expected.chunk_states.as_ref().map(|a| a.clone().into_dyn()),
+        ];
+        if given.iter().all(Option::is_some) {
+            let mags = magnitudes(p);
+            let reference = given.map(|g| g.expect("checked"));
+            return Oracle { reference, mags };
+        }
+        let mut o = Oracle::new(p);
+        for (slot, g) in o.reference.iter_mut().zip(given) {
+            if let Some(g) = g {
+                *slot = g;
+            }
+        }
+        o
+    }
+
+    /// The reference values of one output.
+    pub fn reference(&self, name: OutputName) -> &ArrayD<f64> {
+        &self.reference[name.index()]
+    }
+
+    /// The magnitudes.
+    pub fn magnitudes(&self) -> &Magnitudes {
+        &self.mags
+    }
+
+    /// The per-element bound of one output.
+    pub fn bounds(&self, name: OutputName, precision: Precision, storage: Dtype) -> ArrayD<f64> {
+        bounds(&self.mags, name, self.reference(name), precision, storage)
+    }
+
+    /// Compares one candidate tensor, stored as `storage`, with the reference.
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] when the shapes differ.
+    pub fn compare(
+        &self,
+        name: OutputName,
+        candidate: &ArrayD<f64>,
+        storage: Dtype,
+        precision: Precision,
+    ) -> Result<TensorReport, VerifyError> {
+        let expected = self.reference(name);
+        if candidate.shape() != expected.shape() {
+            return Err(VerifyError::Usage(format!(
+                "candidate `{name}` has shape {:?}, expected {:?}",
+                candidate.shape(),
+                expected.shape()
+            )));
+        }
+        let u = precision.units();
+        let ch = self.mags.channels(name);
+        let floor = u.eta * self.mags.floor_scale;
+        let st = storage_rounding(storage);
+        let uh = precision.unit_roundoff();
+        let shape = expected.shape().to_vec();
+
+        let mut max_abs = 0.0_f64;
+        let (mut err2, mut ref2) = (0.0_f64, 0.0_f64);
+        let mut exceeding = 0usize;
+        let mut non_finite = 0usize;
+        let mut first_non_finite = None;
+        let mut worst: Option<(usize, f64, f64, f64)> = None; // flat, error, bound, ratio
+        let mut kappa_max = 0.0_f64;
+        let it = candidate
+            .iter()
+            .zip(expected.iter())
+            .zip(ch.acc.iter().zip(ch.io.iter()))
+            .zip(ch.op.iter().zip(ch.tok.iter()).zip(ch.mag.iter()));
+        for (flat, (((&c, &r), (&acc, &io)), ((&op, &tok), &m))) in it.enumerate() {
+            let bound = element_bound(&u, floor, st, [acc, io, op, tok], r);
+            if m > 0.0 {
+                kappa_max = kappa_max.max((bound - SAFETY * floor) / (uh * m));
+            }
+            ref2 += r * r;
+            if !c.is_finite() {
+                non_finite += 1;
+                exceeding += 1;
+                err2 = f64::INFINITY;
+                if first_non_finite.is_none() {
+                    first_non_finite = Some(flat);
+                    worst = Some((flat, f64::INFINITY, bound, f64::INFINITY));
+                }
+                continue;
+            }
+            let e = (c - r).abs();
+            max_abs = max_abs.max(e);
+            err2 += e * e;
+            let ratio = if e == 0.0 { 0.0 } else { e / bound };
+            if ratio > 1.0 {
+                exceeding += 1;
+            }
+            if worst.is_none_or(|(_, _, _, w)| ratio > w) {
+                worst = Some((flat, e, bound, ratio));
+            }
+        }
+        let unravel = |flat| ssd_reference::problem::unravel(flat, &shape);
+        let worst = worst.map(|(flat, error, bound, ratio)| Worst {
+            index: unravel(flat),
+            candidate: *candidate.iter().nth(flat).expect("in range"),
+            expected: *expected.iter().nth(flat).expect("in range"),
+            error,
+            bound,
+            ratio,
+            magnitude: *ch.mag.iter().nth(flat).expect("in range"),
+        });
+        let rel_l2 = if ref2 > 0.0 {
+            (err2 / ref2).sqrt()
+        } else {
+            err2.sqrt()
+        };
+        let first_non_finite = first_non_finite.map(unravel);
+        Ok(TensorReport {
+            name,
+            shape: shape.clone(),
+            dtype: storage.name().to_string(),
+            elements: candidate.len(),
+            max_abs_error: max_abs,
+            rel_l2,
+            exceeding,
+            non_finite,
+            first_non_finite,
+            worst,
+            kappa_max,
+        })
+    }
+
+    /// Checks every tensor `candidate` holds.
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] when a tensor's shape differs from the reference's.
+    pub fn check(
+        &self,
+        candidate: &Candidate,
+        precision: Precision,
+    ) -> Result<Verdict, VerifyError> {
+        let tensors = candidate
+            .tensors()
+            .into_iter()
+            .map(|(name, t)| self.compare(name, t, candidate.dtype, precision))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Verdict { precision, tensors })
+    }
+}
