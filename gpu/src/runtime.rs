@@ -83,7 +83,8 @@ impl Gpu {
             max_smem_optin as i32,
         )?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let stream = ctx.new_stream()?;
+        // The context's default stream: no cross-stream event bookkeeping on every launch.
+        let stream = ctx.default_stream();
         Ok(Gpu {
             stream,
             chunk_cumsum_fn,

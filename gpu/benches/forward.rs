@@ -1,0 +1,183 @@
+//! Times the GPU forward on the shapes of the speed issue, with CUDA events: warm-up, then the
+//! median of many runs, input sets rotated so that the 60 MB L2 does not flatter us, random
+//! non-zero data (fp32 inputs, TF32 products, dt already activated, D per head, initial states
+//! in, final states out). Also each stage's share. Prints a table and one `BENCH_JSON {...}`
+//! line per shape for scripts.
+//!
+//! `cargo bench -p ssd-gpu --bench forward [-- --reps N]`. Without a GPU it says so and exits 0.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
+use rayon::prelude::*;
+use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use ssd_reference::{Dims, Options};
+
+/// (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
+const SHAPES: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
+    (4, 4096, 80, 64, 128, 1, 256),
+    (8, 8192, 80, 64, 128, 1, 256),
+    (8, 2048, 24, 64, 128, 1, 256),
+    (4, 16384, 8, 64, 128, 1, 128),
+    (4, 65536, 8, 64, 256, 1, 128),
+];
+
+fn fill(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let mut z = (i as u64).wrapping_add(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            lo + (hi - lo) * ((z >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+fn inputs(gpu: &Gpu, dims: Dims, options: Options, seed: u64) -> Result<DeviceInputs, GpuError> {
+    let s = gpu.stream();
+    let (b, l, h, p, g, n) = (
+        dims.batch,
+        dims.seqlen,
+        dims.nheads,
+        dims.headdim,
+        dims.ngroups,
+        dims.dstate,
+    );
+    let up = |v: Vec<f32>| s.clone_htod(&v);
+    Ok(DeviceInputs {
+        dims,
+        options,
+        x: up(fill(b * l * h * p, seed, -1.0, 1.0))?,
+        dt: up(fill(b * l * h, seed + 1, 0.001, 0.1))?,
+        A: up(fill(h, seed + 2, -8.0, -0.5))?,
+        B: up(fill(b * l * g * n, seed + 3, -1.0, 1.0))?,
+        C: up(fill(b * l * g * n, seed + 4, -1.0, 1.0))?,
+        D: Some(up(fill(h, seed + 5, -1.0, 1.0))?),
+        z: None,
+        dt_bias: None,
+        initial_states: Some(up(fill(b * h * p * n, seed + 6, -1.0, 1.0))?),
+        seq_idx: None,
+    })
+}
+
+fn median(mut v: Vec<f32>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2] as f64
+}
+
+struct Events {
+    marks: Vec<CudaEvent>,
+}
+
+impl Events {
+    fn new(stream: &Arc<CudaStream>, n: usize) -> Result<Self, GpuError> {
+        let ctx = stream.context();
+        let marks = (0..n)
+            .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+            .collect::<Result<_, _>>()?;
+        Ok(Events { marks })
+    }
+}
+
+fn bench(
+    gpu: &Gpu,
+    shape: (usize, usize, usize, usize, usize, usize, usize),
+    reps: usize,
+) -> Result<String, GpuError> {
+    let (batch, seqlen, nheads, headdim, dstate, ngroups, chunk) = shape;
+    let dims = Dims {
+        batch,
+        seqlen,
+        nheads,
+        headdim,
+        ngroups,
+        dstate,
+    };
+    let options = Options {
+        chunk_size: chunk,
+        dt_softplus: false,
+        dt_limit: (0.0, f64::INFINITY),
+    };
+    // Minimal bytes: read x, dt, B, C, initial states once; write out and final states once.
+    let f = 4.0;
+    let bytes = f
+        * (2.0 * (batch * seqlen * nheads * headdim) as f64
+            + (batch * seqlen * nheads) as f64
+            + 2.0 * (batch * seqlen * ngroups * dstate) as f64
+            + 2.0 * (batch * nheads * headdim * dstate) as f64);
+    let set_bytes = bytes;
+    let sets = ((3.0 * 60e6 / set_bytes).ceil() as usize).clamp(2, 8);
+    let ins: Vec<DeviceInputs> = (0..sets)
+        .map(|k| inputs(gpu, dims, options, 1000 + 10 * k as u64))
+        .collect::<Result<_, _>>()?;
+    let mut outs: DeviceOutputs = gpu.alloc_outputs(&dims, &options)?;
+    for k in 0..3 {
+        gpu.forward_into(&ins[k % sets], &mut outs)?;
+    }
+    gpu.synchronize()?;
+    let ev = Events::new(gpu.stream(), 4)?;
+    let stream = gpu.stream();
+    let (mut total, mut s1, mut s2, mut s3) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for r in 0..reps {
+        let i = &ins[r % sets];
+        ev.marks[0].record(stream)?;
+        gpu.chunk_cumsum(i, &mut outs)?;
+        ev.marks[1].record(stream)?;
+        gpu.fwd_pass_state(i, &mut outs)?;
+        ev.marks[2].record(stream)?;
+        gpu.compute_out(i, &mut outs)?;
+        ev.marks[3].record(stream)?;
+        s1.push(ev.marks[0].elapsed_ms(&ev.marks[1])?);
+        s2.push(ev.marks[1].elapsed_ms(&ev.marks[2])?);
+        s3.push(ev.marks[2].elapsed_ms(&ev.marks[3])?);
+        total.push(ev.marks[0].elapsed_ms(&ev.marks[3])?);
+    }
+    let (t, a, b, c) = (median(total), median(s1), median(s2), median(s3));
+    let gbs = bytes / (t * 1e-3) / 1e9;
+    println!(
+        "{:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes",
+        batch, seqlen, nheads, headdim, dstate, ngroups, chunk, t,
+        100.0 * a / (a + b + c), 100.0 * b / (a + b + c), 100.0 * c / (a + b + c), gbs
+    );
+    Ok(format!(
+        "{{\"shape\":[{batch},{seqlen},{nheads},{headdim},{dstate},{ngroups},{chunk}],\"ours_ms\":{t:.4},\"cumsum_ms\":{a:.4},\"state_ms\":{b:.4},\"out_ms\":{c:.4},\"min_bytes\":{bytes:.0},\"reps\":{reps},\"input_sets\":{sets}}}"
+    ))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30usize);
+    if args.iter().any(|a| a == "--list" || a == "--test") {
+        return; // `cargo test --benches` runs nothing
+    }
+    let gpu = match Gpu::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    println!(
+        "ssd-gpu forward on {} ({}), fp32 inputs, TF32 products, median of {reps} (CUDA events)",
+        gpu.device_name(),
+        gpu.target()
+    );
+    println!(" b      L   H   P    N  G    Q");
+    let mut json = Vec::new();
+    for shape in SHAPES {
+        match bench(&gpu, shape, reps) {
+            Ok(j) => json.push(j),
+            Err(e) => println!("{shape:?}: {e}"),
+        }
+    }
+    for j in json {
+        println!("BENCH_JSON {j}");
+    }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds, on this machine (release), everything the GPU machine needs and lays it out in the
+# git-ignored folder gpu-bundle/: the GPU test binaries (ssd-gpu's `runtime`, ssd-verify's
+# gpu_*), the forward benchmark, ssd-oracle, the fixtures, the Triton anchor (.anchors/, when
+# fetched with the anchors' fetch-mamba-ssm) and run-all.sh. Then, on the GPU machine:
+#   bash gpu-bundle/run-all.sh [--quick]
+# The binaries find their data through SSD_FIXTURES_DIR (set by run-all.sh), never through
+# paths of this machine.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bundle=gpu-bundle
+rm -rf "$bundle"
+mkdir -p "$bundle/bin/tests"
+
+executables() { # cargo's JSON messages on stdin -> "name path" of each test/bench executable
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    kinds = m.get("target", {}).get("kind", [])
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and ("test" in kinds or "bench" in kinds):
+        print(m["target"]["name"], m["executable"])
+'
+}
+
+verify_tests=()
+for f in verify/tests/gpu_*.rs; do
+  verify_tests+=(--test "$(basename "$f" .rs)")
+done
+{
+  cargo test --release -p ssd-gpu --test runtime --no-run --message-format=json
+  cargo test --release -p ssd-verify "${verify_tests[@]}" --no-run --message-format=json
+} | executables | while read -r name path; do
+  cp "$path" "$bundle/bin/tests/$name"
+done
+cargo bench -p ssd-gpu --bench forward --no-run --message-format=json | executables |
+  while read -r name path; do cp "$path" "$bundle/bin/bench-$name"; done
+if cargo build --release -p ssd-verify --bin ssd-oracle; then
+  cp target/release/ssd-oracle "$bundle/bin/"
+else
+  echo "warning: ssd-oracle did not build; the bundle goes without it" >&2
+fi
+
+[ -d fixtures ] && cp -r fixtures "$bundle/fixtures"
+[ -d .anchors ] && cp -r .anchors "$bundle/anchors"
+cp scripts/gpu_bench_table.py "$bundle/"
+cp scripts/gpu-run-all.sh "$bundle/run-all.sh"
+chmod +x "$bundle/run-all.sh"
+du -sh "$bundle"
+ls "$bundle/bin" "$bundle/bin/tests"

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the bundle that scripts/gpu-bundle.sh made (copied there as
+# run-all.sh):  bash gpu-bundle/run-all.sh [--quick]
+# 1. the GPU tests with SSD_REQUIRE_GPU=1 (no GPU = failure): fuzz against the float64
+#    reference, fixtures, reproducibility, refusals;
+# 2. compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the fixed sanitizer
+#    shapes (ragged seqlen, seq_idx, ngroups > 1, every option, dstate 256, chunk 256 and the
+#    largest chunk size);
+# 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, when the CLI has it;
+# 4. the benchmark against mamba_ssm's Triton forward (skipped with --quick and --no-bench;
+#    --bench-only runs it alone);
+# --quick also cuts the fuzz suite to 200 cases (SSD_GPU_CASES overrides).
+# then prints a summary table last. Logs go to $SSD_LOG_DIR (default: logs/ beside this file),
+# and a tarball of them to $SSD_LOG_DIR/logs.tar.gz.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here"
+quick=0 bench=1 checks=1
+case "${1:-}" in
+  --quick) quick=1 bench=0 ;;
+  --no-bench) bench=0 ;;
+  --bench-only) checks=0 ;;
+esac
+logs=${SSD_LOG_DIR:-$here/logs}
+rm -rf "$logs/all"; mkdir -p "$logs/all"
+export SSD_REQUIRE_GPU=1
+export SSD_FIXTURES_DIR="$here/fixtures"
+[ $quick = 1 ] && export SSD_GPU_CASES=${SSD_GPU_CASES:-200}
+rows=()
+
+step() { # name, key-line pattern, command...
+  local name=$1 pattern=$2
+  shift 2
+  local t0=$SECONDS
+  "$@" >"$logs/all/$name.log" 2>&1
+  local rc=$?
+  local key
+  key=$(grep -E "$pattern" "$logs/all/$name.log" | tail -n 3 | tr '\n' ' ' | cut -c1-220)
+  local verdict=PASS
+  [ $rc -ne 0 ] && verdict="FAIL($rc)"
+  rows+=("$(printf '%-28s %-9s %5ss  %s' "$name" "$verdict" $((SECONDS - t0)) "$key")")
+  echo "== $name: $verdict ($((SECONDS - t0)) s)"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+if [ $checks = 1 ]; then
+for t in bin/tests/*; do
+  n=$(basename "$t")
+  step "test-$n" 'test result|panicked' "$t" --test-threads=1 --nocapture
+done
+
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck initcheck synccheck; do
+    step "sanitizer-$tool" 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
+      compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      bin/tests/gpu_fuzz --exact gpu_sanitizer_shapes --test-threads=1 --nocapture
+  done
+else
+  rows+=("compute-sanitizer          MISSING")
+fi
+
+if [ -x bin/ssd-oracle ] && [ -d fixtures ]; then
+  oracle() {
+    local n=0 fail=0 tmp
+    tmp=$(mktemp -d)
+    for case in $(find fixtures -name '*.json' | sort); do
+      grep -q 'ssd-fixture/1' "$case" || continue
+      n=$((n + 1))
+      if ! bin/ssd-oracle run --case "$case" --impl gpu --out "$tmp/c.safetensors" ||
+        ! bin/ssd-oracle check --case "$case" --candidate "$tmp/c.safetensors" --precision tf32; then
+        fail=$((fail + 1))
+        echo "FAILED: $case"
+      fi
+    done
+    echo "oracle: $n cases, $fail failing"
+    [ $fail -eq 0 ]
+  }
+  step oracle-gpu-check 'oracle:|FAILED|error' oracle
+fi
+fi
+
+if [ $bench = 1 ]; then
+  for b in bin/bench-*; do
+    [ -x "$b" ] || continue
+    step "$(basename "$b")" 'BENCH_JSON|skipped' "$b" --reps 30
+    step triton-table '^\| \(|ceilings|unavailable' env PYTHONPATH="$here/anchors${PYTHONPATH:+:$PYTHONPATH}" \
+      python3 gpu_bench_table.py "$logs/all/$(basename "$b").log"
+  done
+fi
+
+(cd "$logs" && tar czf logs.tar.gz all)
+echo
+echo "==================== summary ===================="
+for r in "${rows[@]}"; do echo "$r"; done
+grep -h -o -E '(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
+grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
+[ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings' "$logs/all/triton-table.log"

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Times mamba_ssm's Triton forward (mamba_chunk_scan_combined, fp32 inputs, TF32 dots) on the
+speed issue's shapes, measures the two ceilings of this GPU (device-to-device copy bandwidth,
+TF32 matrix rate), and prints one table next to our forward's timings.
+
+Usage: gpu_bench_table.py OUR_BENCH_LOG   (the output of `cargo bench -p ssd-gpu --bench forward`,
+which holds one `BENCH_JSON {...}` line per shape). Needs torch and triton, and mamba_ssm's
+Triton kernels on PYTHONPATH (the repository's `.anchors/` laid out by fetch-mamba-ssm, or
+`pip install mamba-ssm`). Without them it prints our timings alone.
+"""
+import json
+import sys
+
+ours = {}
+if len(sys.argv) > 1:
+    for line in open(sys.argv[1]):
+        if line.startswith("BENCH_JSON "):
+            j = json.loads(line[len("BENCH_JSON "):])
+            ours[tuple(j["shape"])] = j
+
+SHAPES = [(4, 4096, 80, 64, 128, 1, 256), (8, 8192, 80, 64, 128, 1, 256), (8, 2048, 24, 64, 128, 1, 256),
+          (4, 16384, 8, 64, 128, 1, 128), (4, 65536, 8, 64, 256, 1, 128)]
+
+try:
+    import torch
+    import triton.testing
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+except Exception as e:  # noqa: BLE001
+    print(f"Triton anchor unavailable ({e}); our timings only")
+    for s, j in ours.items():
+        print(s, j["ours_ms"], "ms")
+    sys.exit(0)
+
+dev = "cuda"
+torch.backends.cuda.matmul.allow_tf32 = True
+
+# Ceilings: a large device-to-device copy (bytes read + written) and an fp32 matmul in TF32.
+src = torch.randn(1 << 30, device=dev)  # 4 GiB
+dst = torch.empty_like(src)
+copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+copy_bw = 2 * src.numel() * 4 / (copy_ms * 1e-3)
+del src, dst
+n = 8192
+a = torch.randn(n, n, device=dev)
+b = torch.randn(n, n, device=dev)
+mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+tf32_rate = 2 * n ** 3 / (mm_ms * 1e-3)
+del a, b
+print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + write), TF32 matmul {tf32_rate / 1e12:.0f} TFLOP/s")
+
+rows = []
+for (bs, L, H, P, N, G, Q) in SHAPES:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.rand(bs, L, H, P, device=dev, generator=gen) * 2 - 1
+    dt = torch.rand(bs, L, H, device=dev, generator=gen) * 0.099 + 0.001
+    A = -(torch.rand(H, device=dev, generator=gen) * 7.5 + 0.5)
+    B = torch.rand(bs, L, G, N, device=dev, generator=gen) * 2 - 1
+    C = torch.rand(bs, L, G, N, device=dev, generator=gen) * 2 - 1
+    D = torch.rand(H, device=dev, generator=gen) * 2 - 1
+    init = torch.rand(bs, H, P, N, device=dev, generator=gen) * 2 - 1
+
+    def run():
+        return mamba_chunk_scan_combined(x, dt, A, B, C, Q, D=D, initial_states=init, return_final_states=True)
+
+    with torch.no_grad():
+        tri_ms = triton.testing.do_bench(run, warmup=100, rep=500, return_mode="median")
+    nc = -(-L // Q)
+    min_bytes = 4 * (2 * bs * L * H * P + bs * L * H + 2 * bs * L * G * N + 2 * bs * H * P * N)
+    # matrix flops: causal C B^T and scores x (lower triangles), x^T B per chunk, C S per token
+    flops = bs * H * nc * (Q * Q * (N + P)) + bs * H * L * 4 * P * N
+    floor_ms = max(min_bytes / copy_bw, flops / tf32_rate) * 1e3
+    o = ours.get((bs, L, H, P, N, G, Q))
+    rows.append(((bs, L, H, P, N, G, Q), tri_ms, o, floor_ms))
+    del x, dt, B, C, init
+    torch.cuda.empty_cache()
+
+print()
+print("| shape (b, L, H, P, N, G, Q) | dtype | ours ms | Triton ms | speedup | GB/s (minimal bytes) | % of floor | cumsum / state / out |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for shape, tri, o, floor in rows:
+    if o is None:
+        print(f"| {shape} | fp32 | - | {tri:.3f} | - | - | - | - |")
+        continue
+    t = o["ours_ms"]
+    parts = o["cumsum_ms"] + o["state_ms"] + o["out_ms"]
+    share = "/".join(f"{100 * o[k] / parts:.0f}%" for k in ("cumsum_ms", "state_ms", "out_ms"))
+    gbs = o["min_bytes"] / (t * 1e-3) / 1e9
+    print(f"| {shape} | fp32 | {t:.3f} | {tri:.3f} | {tri / t:.2f}x | {gbs:.0f} | {100 * floor / t:.0f}% | {share} |")

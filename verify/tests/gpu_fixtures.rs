@@ -1,0 +1,116 @@
+//! The GPU kernels on every committed fixture case: `out`, `final_states`, `dA_cumsum` and
+//! `chunk_states` against the case's expected tensors (or the float64 reference where the
+//! case carries none), within the TF32 bound.
+//!
+//! The fixtures are found in `$SSD_FIXTURES_DIR`, else `./fixtures` under the working
+//! directory, else the repository's `fixtures/` (so the test binary also runs from a bundle
+//! copied to another machine). Without a GPU: "skipped: no CUDA device" (a failure with
+//! `SSD_REQUIRE_GPU=1`).
+
+mod gpu_support;
+
+use std::path::PathBuf;
+
+use gpu_support::*;
+
+fn fixtures_dir() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("SSD_FIXTURES_DIR").map(PathBuf::from),
+        Some(PathBuf::from("fixtures")),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_dir())
+}
+
+fn manifests(dir: &PathBuf) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.clone()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "json")
+                && std::fs::read_to_string(&p).is_ok_and(|t| t.contains("ssd-fixture/1"))
+            {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn gpu_passes_every_fixture() {
+    let Some(gpu) = gpu_or_skip("gpu_passes_every_fixture") else {
+        return;
+    };
+    let Some(dir) = fixtures_dir() else {
+        println!("gpu_passes_every_fixture: no fixtures folder found (set SSD_FIXTURES_DIR)");
+        return;
+    };
+    let cases = manifests(&dir);
+    println!("fixtures: {} cases under {}", cases.len(), dir.display());
+    let mut failures = Vec::new();
+    let mut worst = [0.0f64; 4];
+    for path in &cases {
+        let loaded = ssd_verify::fixture::read_case(path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let case = loaded.case;
+        let (p32, p64) = as_f32_problem(&case.problem);
+        let got = match gpu.forward(&p32) {
+            Ok(o) => o,
+            Err(ssd_gpu::GpuError::Unsupported(m)) => {
+                println!("{}: refused as unsupported ({m})", path.display());
+                continue;
+            }
+            Err(e) => panic!("{}: {e}", path.display()),
+        };
+        let mut r = reference(&p64);
+        // Compare against the case's own expected tensors where it carries them.
+        let e = &case.expected;
+        if let Some(v) = &e.out {
+            r.out = v.clone();
+        }
+        if let Some(v) = &e.final_states {
+            r.final_states = v.clone();
+        }
+        if let Some(v) = &e.dA_cumsum {
+            r.da_cumsum = v.clone();
+        }
+        if let Some(v) = &e.chunk_states {
+            r.chunk_states = v.clone();
+        }
+        let c = check_all(&got, &r);
+        for (k, t) in c.iter().enumerate() {
+            worst[k] = worst[k].max(t.worst_ratio);
+        }
+        let bad: Vec<String> = c
+            .iter()
+            .filter(|t| t.failures > 0)
+            .map(|t| {
+                format!(
+                    "{}: {} over the bound, worst ratio {:.3} at {:?}",
+                    t.name, t.failures, t.worst_ratio, t.worst_index
+                )
+            })
+            .collect();
+        if !bad.is_empty() {
+            failures.push(format!("{}: {}", path.display(), bad.join("; ")));
+        }
+    }
+    println!(
+        "fixtures: {} cases, worst error/bound out {:.3} final_states {:.3} dA_cumsum {:.3} chunk_states {:.3}, failing {}",
+        cases.len(),
+        worst[0],
+        worst[1],
+        worst[2],
+        worst[3],
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
