@@ -9,7 +9,7 @@
 
 mod gpu_support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use gpu_support::*;
 
@@ -22,9 +22,9 @@ fn fixtures_dir() -> Option<PathBuf> {
     candidates.into_iter().flatten().find(|p| p.is_dir())
 }
 
-fn manifests(dir: &PathBuf) -> Vec<PathBuf> {
+fn manifests(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let mut stack = vec![dir.clone()];
+    let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&d) else {
             continue;
