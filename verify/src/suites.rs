@@ -1,1 +1,348 @@
-//! Suites (WIP).
+//! The fixture suites `ssd-oracle gen` writes: named, seeded problems with their float64
+//! expected outputs and magnitudes.
+//!
+//! - [`Suite::Smoke`]: three small cases (each well under 1 MB), every option at least once.
+//! - [`Suite::Edge`]: every option and boundary of the contract, one case each: seqlen 1,
+//!   chunk 1, chunk larger than seqlen, ragged last chunk, `seq_idx` resets exactly at chunk
+//!   starts, a first `seq_idx` above 0, many short sequences, `D` per head and per channel, `z`,
+//!   `dt + dt_bias` on both sides of the softplus threshold, `dt_limit` clamping at both ends,
+//!   `ngroups` strictly between 1 and `nheads`, extreme and zero decays, bf16 and f64 inputs.
+//! - [`Suite::Standard`]: realistic Mamba-2 layer shapes (tens of MB each: not committed).
+//!
+//! Case `k` of a suite draws its values with seed `seed + k`, so a suite is reproducible from
+//! its seed. Inputs are stored as F32 (as an f32 kernel reads them) unless the case says
+//! otherwise; the expected outputs are computed in float64 from the inputs exactly as stored.
+use ndarray::ArrayD;
+use serde_json::Value;
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use ssd_reference::{Dims, Options};
+
+use crate::error::VerifyError;
+use crate::fixture::{round_inputs, Case, CaseMeta, Expected, FloatDtype};
+use crate::magnitude::magnitudes;
+use crate::tolerance::reference_outputs;
+
+/// A suite of cases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    Smoke,
+    Edge,
+    Standard,
+}
+
+impl Suite {
+    /// `"smoke"`, `"edge"`, `"standard"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Suite::Smoke => "smoke",
+            Suite::Edge => "edge",
+            Suite::Standard => "standard",
+        }
+    }
+}
+
+/// One case of a suite, before its values are drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CaseSpec {
+    /// File stem and manifest `name`.
+    pub name: &'static str,
+    pub description: &'static str,
+    pub spec: ProblemSpec,
+    /// The dtype the inputs are stored in (F16/BF16 apply to `x`, `z`, `B`, `C` only).
+    pub input_dtype: FloatDtype,
+}
+
+fn dims(
+    batch: usize,
+    seqlen: usize,
+    nheads: usize,
+    headdim: usize,
+    ngroups: usize,
+    dstate: usize,
+) -> Dims {
+    Dims {
+        batch,
+        seqlen,
+        nheads,
+        headdim,
+        ngroups,
+        dstate,
+    }
+}
+
+fn case(name: &'static str, description: &'static str, spec: ProblemSpec) -> CaseSpec {
+    CaseSpec {
+        name,
+        description,
+        spec,
+        input_dtype: FloatDtype::F32,
+    }
+}
+
+fn options(chunk_size: usize, dt_softplus: bool, dt_limit: (f64, f64)) -> Options {
+    Options {
+        chunk_size,
+        dt_softplus,
+        dt_limit,
+    }
+}
+
+const NO_LIMIT: (f64, f64) = (0.0, f64::INFINITY);
+
+/// The cases of `suite`, in order.
+pub fn cases(suite: Suite) -> Vec<CaseSpec> {
+    match suite {
+        Suite::Smoke => smoke(),
+        Suite::Edge => edge(),
+        Suite::Standard => standard(),
+    }
+}
+
+fn smoke() -> Vec<CaseSpec> {
+    vec![
+        case(
+            "plain",
+            "one sequence per row, dt already activated, no optional tensor",
+            ProblemSpec {
+                options: options(16, false, NO_LIMIT),
+                ..ProblemSpec::plain(dims(1, 64, 2, 8, 1, 8))
+            },
+        ),
+        case(
+            "full",
+            "every option: softplus + dt_bias, dt_limit, D per channel, z, initial states, 3 sequences per row, 2 groups",
+            ProblemSpec::full(dims(2, 100, 4, 8, 2, 8), 32),
+        ),
+        case(
+            "mamba2-mini",
+            "a Mamba-2 layer in miniature: softplus + dt_bias, D per head, z, initial states, ragged last chunk",
+            ProblemSpec {
+                d: DSkip::PerHead,
+                seq_idx: SeqIdx::None,
+                dt_range: (-4.0, 0.0),
+                options: options(64, true, NO_LIMIT),
+                ..ProblemSpec::full(dims(1, 200, 4, 16, 1, 16), 64)
+            },
+        ),
+    ]
+}
+
+fn edge() -> Vec<CaseSpec> {
+    let small = dims(2, 40, 4, 4, 2, 4);
+    let full = |d: Dims, chunk: usize| ProblemSpec::full(d, chunk);
+    let mut v = vec![
+        case(
+            "seqlen-1",
+            "a single token (chunk 64 > seqlen), every option",
+            ProblemSpec {
+                seq_idx: SeqIdx::None,
+                ..full(dims(2, 1, 4, 4, 2, 4), 64)
+            },
+        ),
+        case(
+            "chunk-1",
+            "chunk size 1: every token is a chunk",
+            full(dims(1, 13, 2, 4, 1, 4), 1),
+        ),
+        case(
+            "chunk-gt-seqlen",
+            "chunk 256 > seqlen 20: one partial chunk",
+            full(dims(1, 20, 2, 4, 2, 4), 256),
+        ),
+        case(
+            "ragged",
+            "seqlen 77 with chunk 16: a last chunk of 13 tokens; initial states, no seq_idx",
+            ProblemSpec {
+                initial_states: true,
+                options: options(16, false, NO_LIMIT),
+                ..ProblemSpec::plain(dims(2, 77, 2, 4, 1, 4))
+            },
+        ),
+        case(
+            "seq-idx-chunk-starts",
+            "seq_idx resets exactly at every chunk start, initial states, slow decay",
+            ProblemSpec {
+                seq_idx: SeqIdx::AtChunkStarts { every: 1 },
+                a_range: (0.05, 0.5),
+                ..full(dims(2, 64, 4, 4, 2, 4), 16)
+            },
+        ),
+        case(
+            "seq-idx-first-above-0",
+            "seq_idx starts at 2: the initial state seeds nothing (but is chunk_states[:, 0])",
+            ProblemSpec {
+                seq_idx: SeqIdx::Segments {
+                    segments: 3,
+                    first: 2,
+                },
+                ..full(small, 8)
+            },
+        ),
+        case(
+            "seq-idx-many",
+            "5 sequences per row in 50 tokens, chunk 8",
+            ProblemSpec {
+                seq_idx: SeqIdx::Segments {
+                    segments: 5,
+                    first: 0,
+                },
+                ..full(dims(2, 50, 2, 4, 1, 4), 8)
+            },
+        ),
+        case(
+            "d-per-head-z",
+            "D per head with the z gate, no seq_idx",
+            ProblemSpec {
+                d: DSkip::PerHead,
+                seq_idx: SeqIdx::None,
+                ..full(small, 16)
+            },
+        ),
+        case(
+            "softplus-threshold",
+            "dt + dt_bias from 14 to 25.5: softplus below the threshold 20, identity above",
+            ProblemSpec {
+                dt_range: (15.0, 25.0),
+                a_range: (0.01, 0.05),
+                seq_idx: SeqIdx::None,
+                options: options(16, true, NO_LIMIT),
+                ..full(small, 16)
+            },
+        ),
+        case(
+            "softplus-negative",
+            "softplus of dt + dt_bias from -6 to 1.5 with the default dt_limit [0, inf)",
+            ProblemSpec {
+                dt_range: (-5.0, 1.0),
+                seq_idx: SeqIdx::None,
+                options: options(16, true, NO_LIMIT),
+                ..full(small, 16)
+            },
+        ),
+        case(
+            "dt-limit-clamp",
+            "dt_limit [0.01, 0.1] clamping raw dt from -0.2 to 0.4 at both ends (no softplus)",
+            ProblemSpec {
+                dt_range: (-0.2, 0.4),
+                options: options(8, false, (0.01, 0.1)),
+                ..full(small, 8)
+            },
+        ),
+        case(
+            "ngroups",
+            "8 heads in 4 groups (2 heads per group)",
+            ProblemSpec {
+                seq_idx: SeqIdx::None,
+                ..full(dims(1, 48, 8, 4, 4, 4), 16)
+            },
+        ),
+        case(
+            "ngroups-3",
+            "6 heads in 3 groups, no optional tensor",
+            ProblemSpec {
+                options: options(8, false, NO_LIMIT),
+                ..ProblemSpec::plain(dims(1, 30, 6, 3, 3, 5))
+            },
+        ),
+        case(
+            "extreme-decay",
+            "|dt' A| up to 60 per token: decays underflow within a few tokens",
+            ProblemSpec {
+                a_range: (1.0, 30.0),
+                dt_range: (0.5, 2.0),
+                options: options(16, false, NO_LIMIT),
+                ..full(small, 16)
+            },
+        ),
+        case(
+            "no-decay",
+            "A = 0: the state only accumulates",
+            ProblemSpec {
+                a_range: (0.0, 0.0),
+                ..full(small, 16)
+            },
+        ),
+    ];
+    v.push(CaseSpec {
+        input_dtype: FloatDtype::BF16,
+        ..case(
+            "bf16-inputs",
+            "x, B, C, z stored as BF16 (a reduced-precision case), the rest F32",
+            full(small, 16),
+        )
+    });
+    v.push(CaseSpec {
+        input_dtype: FloatDtype::F64,
+        ..case("f64-inputs", "every input stored as F64", full(small, 16))
+    });
+    v
+}
+
+fn standard() -> Vec<CaseSpec> {
+    let layer = |d: Dims, chunk: usize| ProblemSpec {
+        d: DSkip::PerHead,
+        z: false,
+        dt_bias: true,
+        initial_states: true,
+        seq_idx: SeqIdx::None,
+        dt_range: (-4.0, 0.0),
+        options: options(chunk, true, NO_LIMIT),
+        ..ProblemSpec::plain(d)
+    };
+    vec![
+        case(
+            "layer-2x2048-h8-p64-n64",
+            "batch 2, seqlen 2048, 8 heads of 64, dstate 64, 8 groups, chunk 64",
+            layer(dims(2, 2048, 8, 64, 8, 64), 64),
+        ),
+        case(
+            "layer-1x4096-h24-p64-n128",
+            "batch 1, seqlen 4096, 24 heads of 64, dstate 128, 1 group, chunk 256",
+            layer(dims(1, 4096, 24, 64, 1, 128), 256),
+        ),
+        case(
+            "layer-2x1000-h16-p64-n128-full",
+            "batch 2, seqlen 1000 (ragged), 16 heads of 64, dstate 128, 2 groups, chunk 128, every option",
+            ProblemSpec::full(dims(2, 1000, 16, 64, 2, 128), 128),
+        ),
+    ]
+}
+
+/// Draws case `spec` with `seed` and computes its expected outputs and magnitudes from the
+/// inputs as they will be stored.
+///
+/// # Errors
+/// [`VerifyError::Usage`] when the spec does not describe a valid problem or its values cannot
+/// be stored in the case's input dtype.
+pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyError> {
+    let drawn = random_problem(&spec.spec, seed)
+        .map_err(|e| VerifyError::Usage(format!("case `{}`: {e}", spec.name)))?;
+    let problem = round_inputs(&drawn, spec.input_dtype)?;
+    let ([out, final_states, da, chunk_states], mags) =
+        rayon::join(|| reference_outputs(&problem), || magnitudes(&problem));
+    let fixed4 = |a: ArrayD<f64>| a.into_dimensionality().expect("contract shape");
+    let expected = Expected {
+        out: Some(fixed4(out)),
+        final_states: Some(fixed4(final_states)),
+        dA_cumsum: Some(fixed4(da)),
+        chunk_states: Some(chunk_states.into_dimensionality().expect("contract shape")),
+        out_mag: Some(fixed4(mags.out.mag)),
+        final_states_mag: Some(fixed4(mags.final_states.mag)),
+    };
+    let mut extra = serde_json::Map::new();
+    extra.insert("suite".into(), Value::from(suite.name()));
+    extra.insert(
+        "generator".into(),
+        Value::from("ssd-oracle gen (float64 naive recurrence; chunked path in f64 for dA_cumsum and chunk_states)"),
+    );
+    Ok(Case {
+        meta: CaseMeta {
+            name: Some(spec.name.to_string()),
+            seed: Some(seed),
+            description: Some(spec.description.to_string()),
+            extra,
+        },
+        problem,
+        expected,
+    })
+}

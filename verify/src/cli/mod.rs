@@ -7,7 +7,9 @@
 //! Errors reach the user as one line, `error: <message>`, on stderr, with exit status 2
 //! ("unusable input"); 1 is kept for verdicts ("the candidate is wrong").
 
+pub mod check;
 pub mod demo;
+pub mod gen;
 pub mod run;
 
 use std::process::ExitCode;
@@ -39,6 +41,11 @@ enum Command {
     /// Compare the implementations on built-in random problems, from tiny to a realistic
     /// Mamba-2 layer (what runs with no arguments).
     Demo(demo::Args),
+    /// Check a kernel's outputs against a case, element by element, within the error bound of
+    /// the arithmetic it claims (exit 0 pass, 1 fail, 2 unusable input).
+    Check(check::Args),
+    /// Write a suite of fixture cases with their float64 expected outputs and magnitudes.
+    Gen(gen::Args),
 }
 
 /// Parses the command line, runs the subcommand, and turns any error into one line on stderr.
@@ -52,6 +59,8 @@ pub fn main() -> ExitCode {
         None => demo::run(&demo::Args::default()),
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
+        Some(Command::Check(args)) => check::run(&args),
+        Some(Command::Gen(args)) => gen::run(&args),
     };
     match result {
         Ok(code) => code,
