@@ -207,13 +207,13 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
     let l = p.options().chunk_size;
     let nc = p.nchunks();
     let g = d.group_of_head(h);
-    // Sums over chunk positions have at most min(chunk_size, seqlen) terms.
-    let l_eff = l.min(d.seqlen) as f64;
     let a_abs = i.A[h].abs();
     let nstate = hd * ds;
 
-    // State channels: magnitude, acc budget, token steps.
+    // State channels: magnitude, acc budget, token steps, and the magnitude of the terms
+    // created in the current chunk (their sum over chunk positions is still growing).
     let mut sm = vec![0.0; nstate];
+    let mut scur = vec![0.0; nstate];
     let mut se = vec![0.0; nstate];
     let mut sk = vec![0.0; nstate];
     let init = i.initial_states.as_ref();
@@ -246,7 +246,7 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
         .collect();
     let mut prev_seq = 0i64;
     let mut cum_mag = 0.0; // sum of |a| since the chunk start
-    let mut phi = 0.0; // absolute error coefficient of the chunk's cumsum at t
+    let mut a_errs = 0.0; // sum of the errors of the a_k since the chunk start
     for t in 0..d.seqlen {
         if t % l == 0 {
             let c = t / l;
@@ -267,15 +267,18 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
                 record(dst, &sm, &se, &sk);
             }
             cum_mag = 0.0;
-            phi = 0.0;
+            a_errs = 0.0;
+            scur.iter_mut().for_each(|v| *v = 0.0);
         }
         let seq = p.seq_idx_at(b, t);
         if seq != prev_seq {
             sm.iter_mut().for_each(|v| *v = 0.0);
             se.iter_mut().for_each(|v| *v = 0.0);
             sk.iter_mut().for_each(|v| *v = 0.0);
+            scur.iter_mut().for_each(|v| *v = 0.0);
         }
         prev_seq = seq;
+        let pos = (t % l) as f64;
 
         let dtp = p.dt_processed(b, t, h);
         let rho = dt_sensitivity(p, b, t, h);
@@ -283,15 +286,18 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
         let decay = a.exp();
         // Error of a_t = dt' A as computed: the product, the conversion of A, and dt''s own.
         let a_err = a_abs * (rho + 2.0 * dtp.abs());
-        // Existing terms: their exp argument spans one more cumsum term (summed with at most
-        // chunk_size - 1 others, plus the subtraction cs_t - cs_s).
-        let inc = l_eff * a.abs() + a_err;
+        // The cumsum at chunk position `pos` is a sum of pos + 1 terms: in any order its error
+        // is at most phi = pos * cum_mag + a_errs. Existing terms see their exp argument
+        // cs_t - cs_s move by phi_t - phi_{t-1}, plus the subtraction's rounding.
+        let inc = (pos + 1.0) * a.abs() + cum_mag + a_err;
         cum_mag += a.abs();
-        phi += (l_eff - 1.0) * a.abs() + a_err;
+        a_errs += a_err;
+        let phi = pos * cum_mag + a_errs;
         lane.cumsum[(t / l) * l + t % l] = [cum_mag, phi];
-        // A new term: products and exp, the sum over chunk positions, and the cumsum at both
-        // ends of its exp argument (2 phi).
-        let e0 = PRODUCTS + (l_eff - 1.0) + 2.0 * phi;
+        // A new term: products and exp, its place `pos` in the sum over chunk positions (one
+        // more addition per later position, below), and the cumsum at both ends of its exp
+        // argument (2 phi).
+        let e0 = PRODUCTS + pos + 2.0 * phi;
 
         for pp in 0..hd {
             let xp = i.x[[b, t, h, pp]].abs();
@@ -301,9 +307,10 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
                 let nt = dtp.abs() * xp * bn;
                 let k = row + n;
                 let m_old = sm[k];
-                se[k] = decay * (se[k] + inc * m_old) + e0 * nt + rho * xp * bn;
+                se[k] = decay * (se[k] + inc * m_old + scur[k]) + e0 * nt + rho * xp * bn;
                 sk[k] = decay * (sk[k] + m_old);
                 sm[k] = decay * m_old + nt;
+                scur[k] = decay * scur[k] + nt;
             }
         }
 
@@ -344,6 +351,7 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
     }
     // Positions past seqlen in the last chunk: the cumsum stays flat.
     let last = d.seqlen - 1;
+    let phi = ((last % l) as f64) * cum_mag + a_errs;
     for k in (last % l + 1)..l {
         lane.cumsum[(last / l) * l + k] = [cum_mag, phi];
     }
