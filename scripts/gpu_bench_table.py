@@ -63,7 +63,7 @@ for (bs, L, H, P, N, G, Q) in SHAPES:
         return mamba_chunk_scan_combined(x, dt, A, B, C, Q, D=D, initial_states=init, return_final_states=True)
 
     with torch.no_grad():
-        tri_ms = triton.testing.do_bench(run, warmup=100, rep=500, return_mode="median")
+        tri_ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
     nc = -(-L // Q)
     min_bytes = 4 * (2 * bs * L * H * P + bs * L * H + 2 * bs * L * G * N + 2 * bs * H * P * N)
     # matrix flops: causal C B^T and scores x (lower triangles), x^T B per chunk, C S per token

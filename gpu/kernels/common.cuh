@@ -57,17 +57,63 @@ __device__ __forceinline__ void load_b_nrows(unsigned (&b)[2], const float* base
     b[1] = __float_as_uint(base[g * stride + q + 4]);
 }
 
-// Copies a rows x cols tile of a row-major global matrix into shared memory, rounded to TF32:
-// dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows_valid and c < cols_valid,
-// 0 elsewhere in [0, rows) x [0, cols). Consecutive threads read consecutive columns.
-__device__ __forceinline__ void load_tile_tf32(float* dst, int dst_stride, const float* __restrict__ src,
-                                               i64 src_stride, int rows_valid, int rows, int cols_valid,
-                                               int cols, int tid, int nthreads) {
-    for (int e = tid; e < rows * cols; e += nthreads) {
-        int r = e / cols;
-        int c = e - r * cols;
-        float v = 0.0f;
-        if (r < rows_valid && c < cols_valid) v = src[(i64)r * src_stride + c];
-        dst[r * dst_stride + c] = tf32_round(v);
+// Copies a ROWS x 64 block of a row-major global matrix into shared memory, rounded to TF32,
+// optionally scaling row r by row_scale[r] first (SCALE):
+//   dst[r * dst_stride + c] = tf32(src[r * src_stride + c] (* row_scale[r]))
+// for r < rows_valid and c < cols_valid, 0 elsewhere in [0, ROWS) x [0, 64). Every load of the
+// block is issued before the first store (the loops are unrolled), 16 bytes wide when the
+// source allows it (aligned base, row stride and cols_valid multiples of 4; dst_stride must
+// then be a multiple of 4 too), coalesced along the rows either way.
+template <int ROWS, int NT, bool SCALE>
+__device__ __forceinline__ void load_block64_tf32(float* dst, int dst_stride, const float* __restrict__ src,
+                                                  i64 src_stride, int rows_valid, int cols_valid,
+                                                  const float* row_scale, int tid) {
+    const bool vec = (((unsigned long long)src | (unsigned long long)(src_stride * 4)) & 15) == 0 &&
+                     (cols_valid & 3) == 0 && (dst_stride & 3) == 0;
+    if (vec) {
+        constexpr int PER = ROWS * 16 / NT;
+        float4 v[PER];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            int e = tid + k * NT;
+            int r = e >> 4, c = (e & 15) << 2;
+            v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < rows_valid && c < cols_valid) v[k] = __ldg(reinterpret_cast<const float4*>(src + r * src_stride + c));
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            int e = tid + k * NT;
+            int r = e >> 4, c = (e & 15) << 2;
+            float f = SCALE ? row_scale[r] : 1.0f;
+            float4 t = SCALE ? make_float4(v[k].x * f, v[k].y * f, v[k].z * f, v[k].w * f) : v[k];
+            *reinterpret_cast<float4*>(dst + r * dst_stride + c) =
+                make_float4(tf32_round(t.x), tf32_round(t.y), tf32_round(t.z), tf32_round(t.w));
+        }
+    } else {
+        constexpr int PER = ROWS * 64 / NT;
+        float v[PER];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            int e = tid + k * NT;
+            int r = e >> 6, c = e & 63;
+            v[k] = (r < rows_valid && c < cols_valid) ? __ldg(src + r * src_stride + c) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            int e = tid + k * NT;
+            int r = e >> 6, c = e & 63;
+            float t = SCALE ? v[k] * row_scale[r] : v[k];
+            dst[r * dst_stride + c] = tf32_round(t);
+        }
     }
+}
+
+// Copies a ROWS x ncols tile (ncols a multiple of 64) as consecutive 64-column blocks.
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_tile_tf32(float* dst, int dst_stride, const float* __restrict__ src,
+                                               i64 src_stride, int rows_valid, int cols_valid, int ncols,
+                                               int tid) {
+    for (int c0 = 0; c0 < ncols; c0 += 64)
+        load_block64_tf32<ROWS, NT, false>(dst + c0, dst_stride, src + c0, src_stride, rows_valid,
+                                           cols_valid - c0, nullptr, tid);
 }

@@ -14,7 +14,7 @@
 // exponent is evaluated only where j <= i (so it never overflows). All matrix products are
 // TF32 tensor-core products (operands rounded with cvt.rna) with f32 accumulation.
 //
-// Dynamic shared memory (floats), NS = round_up(dstate, 32) + 4:
+// Dynamic shared memory (floats), NS = round_up(dstate, 64) + 4:
 //   cs_tile [64 x NS]   C rows of this tile (rows i)
 //   bs_tile [64 x NS]   B rows of the current column tile (rows j), or S (rows p) at first
 //   xs_tile [64 x 72]   x of the current column tile ([j][p])
@@ -43,7 +43,8 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
     int d_per_channel, int has_initial_states)
 {
     extern __shared__ __align__(16) float smem[];
-    const int NS = ((dstate + 31) / 32) * 32 + 4;
+    const int NC64 = ((dstate + 63) / 64) * 64;   // columns of the C and B tiles (zero padded)
+    const int NS = NC64 + 4;
     const int NK = ((dstate + 7) / 8) * 8;   // k extent of the C products (zero padded)
     float* c_tile = smem;
     float* b_tile = c_tile + CO_TM * NS;
@@ -83,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
         cs_i[r] = r < rows_i ? dA_cumsum[cb + i0 + r] : 0.0f;
         seq_i[r] = (seq_row != nullptr && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
     }
-    load_tile_tf32(c_tile, NS, cg + (t0 + i0) * tok_stride_b, tok_stride_b, rows_i, CO_TM, dstate, NK, tid, CO_THREADS);
+    load_tile_tf32<CO_TM, CO_THREADS>(c_tile, NS, cg + (t0 + i0) * tok_stride_b, tok_stride_b, rows_i, dstate, NC64, tid);
 
     float acc[8][4];
 #pragma unroll
@@ -97,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
     if (c > 0 || has_initial_states) {
         // The carried-state term: C[i, :] . S[p, :], S rows p in b_tile.
         const float* st = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate + (i64)p0 * dstate;
-        load_tile_tf32(b_tile, NS, st, dstate, cols_p, CO_TP, dstate, NK, tid, CO_THREADS);
+        load_tile_tf32<CO_TP, CO_THREADS>(b_tile, NS, st, dstate, cols_p, dstate, NC64, tid);
         __syncthreads();
         for (int kk = 0; kk < NK; kk += 8) {
             unsigned a[4];
@@ -131,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
             dt_j[r] = ok ? dt_out[cb + j0 + r] : 0.0f;
             seq_j[r] = seq_row == nullptr ? 0 : (ok ? seq_row[t0 + j0 + r] : -1);
         }
-        load_tile_tf32(b_tile, NS, bg + (t0 + j0) * tok_stride_b, tok_stride_b, rows_j, CO_TJ, dstate, NK, tid, CO_THREADS);
-        load_tile_tf32(x_tile, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, CO_TJ, cols_p, CO_TP, tid, CO_THREADS);
+        load_tile_tf32<CO_TJ, CO_THREADS>(b_tile, NS, bg + (t0 + j0) * tok_stride_b, tok_stride_b, rows_j, dstate, NC64, tid);
+        load_block64_tf32<CO_TJ, CO_THREADS, false>(x_tile, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p, nullptr, tid);
         __syncthreads();
 
         // scores[i, j] = C[i, :] . B[j, :] for this warp's 16 rows and the 64 columns.

@@ -15,7 +15,7 @@
 
 #define ST_TP 64        // headdim rows per block
 #define ST_TN 64        // dstate columns per block
-#define ST_TK 32        // tokens per shared-memory stage
+#define ST_TK 64        // tokens per shared-memory stage
 #define ST_STRIDE 72    // row stride (floats) of both tiles: conflict-free fragment loads
 #define ST_THREADS 128
 
@@ -107,18 +107,13 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
                 }
                 ws[tid] = w;
             }
-            load_tile_tf32(xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
-                           tok_stride_x, rows_t, ST_TK, rows_p, ST_TP, tid, ST_THREADS);
+            load_block64_tf32<ST_TK, ST_THREADS, false>(
+                xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
+                tok_stride_x, rows_t, rows_p, nullptr, tid);
             __syncthreads();  // ws is ready
-            {
-                const float* src = Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0;
-                for (int e = tid; e < ST_TK * ST_TN; e += ST_THREADS) {
-                    int r = e / ST_TN, col = e % ST_TN;
-                    float v = 0.0f;
-                    if (r < rows_t && col < cols_n) v = src[(i64)r * tok_stride_b + col] * ws[r];
-                    bs[r * ST_STRIDE + col] = tf32_round(v);
-                }
-            }
+            load_block64_tf32<ST_TK, ST_THREADS, true>(
+                bs, ST_STRIDE, Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0,
+                tok_stride_b, rows_t, cols_n, ws, tid);
             __syncthreads();  // both tiles are ready
 #pragma unroll
             for (int kk = 0; kk < ST_TK / 8; ++kk) {

@@ -6,8 +6,9 @@ use crate::error::unsupported;
 use crate::GpuError;
 
 /// Largest `dstate`: the output kernel keeps a 64-token tile of `C` and one of `B` (or of the
-/// carried state) in shared memory, `2 * 64 * (dstate + 36)` floats plus about 37 KB, which
-/// fits the 227 KB a Hopper block may take up to `dstate = 256` (Ampere's 163 KB: up to 192).
+/// carried state) in shared memory, `2 * 64 * (round_up(dstate, 64) + 4)` floats plus about
+/// 37 KB, which fits the 227 KB a Hopper block may take up to `dstate = 256` (Ampere's 163 KB:
+/// up to 192).
 pub const MAX_DSTATE: usize = 256;
 
 /// Largest `chunk_size` (a power of two). The kernels themselves loop over any chunk; the
@@ -134,7 +135,7 @@ pub fn check(dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
 pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {
-    let ns = dstate.div_ceil(32) * 32 + 4;
+    let ns = dstate.div_ceil(64) * 64 + 4;
     let floats = 2 * TILE_M * ns + TILE_M * 72 + 4 * 16 * 68 + 5 * TILE_M;
     floats * 4
 }
