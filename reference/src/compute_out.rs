@@ -27,17 +27,70 @@
 //! TF32 ([`Real::round_tf32`]): `C_c` and `B_c` for `G`; `C_c` and `S_c` for the carried
 //! term; the finished `Lmat` (after decay, `dt'` and masks) and `x_c` for `Lmat x_c`. `G`, the
 //! decays, the accumulations, the `D` term and the gate stay in `T`.
-use ndarray::{linalg::general_mat_mul, s, Array2, Array4, Array5, ArrayViewMut3, Axis};
+use ndarray::{Array4, Array5, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::fwd_pass_state::check_cumsum;
+use crate::gemm::{gemm, Mat, Tri};
 use crate::problem::gate;
 use crate::{MatmulPrecision, Problem, Real};
 
+/// Per-thread work buffers of [`compute_out`], reused from task to task.
+#[derive(Default)]
+struct Scratch<T> {
+    seq: Vec<i64>,
+    c_copy: Vec<T>,
+    b_t: Vec<T>,
+    gm: Vec<T>,
+    lmat: Vec<T>,
+    s_t: Vec<T>,
+    y: Vec<T>,
+    x_copy: Vec<T>,
+    e: Vec<T>,
+    d_skip: Vec<T>,
+}
+
+/// The first `n` entries of a reused buffer (grown with zeros when too short; the contents
+/// are whatever the last task left).
+pub(crate) fn scratch<T: Real>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::zero());
+    }
+    &mut v[..n]
+}
+
+/// `dst[k * rows + r] = src[off + r * rs + k]` for `r < rows`, `k < cols`: the transpose of a
+/// `rows x cols` block with row stride `rs`, written in 8-row bands so that reads and writes
+/// both stay within a few cache lines.
+pub(crate) fn transpose_into<T: Real>(
+    (rows, cols): (usize, usize),
+    src: &[T],
+    off: usize,
+    rs: usize,
+    dst: &mut [T],
+) {
+    for r0 in (0..rows).step_by(8) {
+        let r1 = (r0 + 8).min(rows);
+        for k in 0..cols {
+            let out = &mut dst[k * rows + r0..k * rows + r1];
+            for (o, r) in out.iter_mut().zip(r0..r1) {
+                *o = src[off + r * rs + k];
+            }
+        }
+    }
+}
+
+/// Rounds every entry to TF32 in place.
+pub(crate) fn round_all<T: Real>(v: &mut [T]) {
+    v.iter_mut().for_each(|x| *x = x.round_tf32());
+}
+
 /// `out`: `[batch, seqlen, nheads, headdim]` (see the module documentation for the formulas).
 ///
-/// Parallel over (batch, chunk, group); the heads of a group share `G = C_c B_c^T`.
+/// Parallel over (batch, chunk, group); the heads of a group share `G = C_c B_c^T`. Only the
+/// lower triangle of `G` is computed and only the lower triangle of `Lmat` enters the product
+/// with `x_c` (in register tiles of 4 rows: the skipped products are exact zeros).
 ///
 /// # Panics
 /// If `cumsum` or `chunk_states` do not have the shapes `p` implies.
@@ -51,31 +104,56 @@ pub fn compute_out<T: Real>(
     let nc = p.nchunks();
     let cs = p.options().chunk_size;
     let hpg = d.heads_per_group();
+    let (hd, ds) = (d.headdim, d.dstate);
     check_cumsum(p, cumsum);
     assert_eq!(
         chunk_states.shape(),
-        &[d.batch, nc, d.nheads, d.headdim, d.dstate],
+        &[d.batch, nc, d.nheads, hd, ds],
         "chunk_states shape"
     );
     let i = p.inputs();
     let tf32 = precision == MatmulPrecision::Tf32;
-    let round = |a: Array2<T>| if tf32 { a.mapv(T::round_tf32) } else { a };
+    let (x_std, b_std, c_std) = (
+        i.x.as_standard_layout(),
+        i.B.as_standard_layout(),
+        i.C.as_standard_layout(),
+    );
+    let z_std = i.z.as_ref().map(|z| z.as_standard_layout());
+    let states_std = chunk_states.as_standard_layout();
+    let flat = "standard layout";
+    let (x_flat, b_flat, c_flat) = (
+        x_std.as_slice().expect(flat),
+        b_std.as_slice().expect(flat),
+        c_std.as_slice().expect(flat),
+    );
+    let z_flat = z_std.as_ref().map(|z| z.as_slice().expect(flat));
+    let states_flat = states_std.as_slice().expect(flat);
+    let cum_std = cumsum.dA_cumsum.as_standard_layout();
+    let dt_std = cumsum.dt.as_standard_layout();
+    let (cum_flat, dt_flat) = (
+        cum_std.as_slice().expect(flat),
+        dt_std.as_slice().expect(flat),
+    );
 
-    let mut out = Array4::<T>::zeros((d.batch, d.seqlen, d.nheads, d.headdim));
-    // One task per (b, c, g): its out[b, t0..t0 + L, heads of g, :] block.
-    let blocks: Vec<ArrayViewMut3<T>> = out
+    let mut out = Array4::<T>::zeros((d.batch, d.seqlen, d.nheads, hd));
+    // Tasks per (b, c): the chunk's rows of C, B, x and out are contiguous blocks, streamed
+    // once; inside, (nested) tasks per group: out[b, t0..t0 + L, heads of g, :].
+    let chunks: Vec<ArrayViewMut3<T>> = out
         .view_mut()
         .into_outer_iter_mut()
-        .flat_map(|ob| {
-            ob.into_axis_chunks_iter_mut(Axis(0), cs)
-                .flat_map(|oc| oc.into_axis_chunks_iter_mut(Axis(1), hpg))
-        })
+        .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(0), cs))
         .collect();
 
-    blocks
+    chunks
         .into_par_iter()
         .enumerate()
-        .for_each(|(bcg, mut block)| {
+        .flat_map(|(bc, oc)| {
+            oc.into_axis_chunks_iter_mut(Axis(1), hpg)
+                .into_par_iter()
+                .enumerate()
+                .map(move |(g, block)| (bc * d.ngroups + g, block))
+        })
+        .for_each_init(Scratch::default, |sc, (bcg, mut block)| {
             let (b, c, g) = (
                 bcg / (nc * d.ngroups),
                 (bcg / d.ngroups) % nc,
@@ -83,62 +161,130 @@ pub fn compute_out<T: Real>(
             );
             let t0 = c * cs;
             let l = p.chunk_len(c);
-            let seq: Vec<i64> = (t0..t0 + l).map(|t| p.seq_idx_at(b, t)).collect();
+            let seq = &mut sc.seq;
+            seq.clear();
+            seq.extend((t0..t0 + l).map(|t| p.seq_idx_at(b, t)));
             let seq_prev = if c == 0 { 0 } else { p.seq_idx_at(b, t0 - 1) };
-            let c_c = round(i.C.slice(s![b, t0..t0 + l, g, ..]).to_owned());
-            let b_c = round(i.B.slice(s![b, t0..t0 + l, g, ..]).to_owned());
-            let mut gm = Array2::<T>::zeros((l, l));
-            general_mat_mul(T::one(), &c_c, &b_c.t(), T::zero(), &mut gm);
-            let x_c = i.x.slice(s![b, t0..t0 + l, .., ..]);
-            let mut lmat = Array2::<T>::zeros((l, l));
+            // Contiguous (rounded) copies of the operands: C_c (L x dstate), B_c^T (dstate x
+            // L), and per head S_c^T and x_c. In place, rows nheads * headdim or ngroups *
+            // dstate apart would compete for the same cache sets.
+            let bc_off = ((b * d.seqlen + t0) * d.ngroups + g) * ds;
+            let bc_rs = d.ngroups * ds;
+            let c_copy = scratch(&mut sc.c_copy, l * ds);
+            for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
+                dst.copy_from_slice(&c_flat[bc_off + j * bc_rs..][..ds]);
+            }
+            let b_t = scratch(&mut sc.b_t, ds * l);
+            transpose_into((l, ds), b_flat, bc_off, bc_rs, b_t);
+            if tf32 {
+                round_all(c_copy);
+                round_all(b_t);
+            }
+            let c_c = Mat::rows(c_copy, ds);
+            // G = C_c B_c^T, on and below the diagonal (the rest is never read).
+            let gm = scratch(&mut sc.gm, l * l);
+            gemm(
+                (l, l, ds),
+                c_c,
+                Mat::rows(b_t, l),
+                gm,
+                l,
+                false,
+                Tri::LowerC,
+            );
+
+            // Lmat stays 0 above the diagonal for all heads of the group.
+            let lmat = scratch(&mut sc.lmat, l * l);
+            lmat.fill(T::zero());
+            let s_t = scratch(&mut sc.s_t, ds * hd);
+            let y = scratch(&mut sc.y, l * hd);
+            let x_copy = scratch(&mut sc.x_copy, l * hd);
+            let e = scratch(&mut sc.e, l);
+            let x_rs = d.nheads * hd;
             for hh in 0..hpg {
                 let h = g * hpg + hh;
-                let cum = cumsum.dA_cumsum.slice(s![b, h, c, ..]);
-                let dt = cumsum.dt.slice(s![b, h, c, ..]);
-                let xh = x_c.index_axis(Axis(1), h);
-                let mut y = block.index_axis_mut(Axis(1), hh);
-                // Carried state: Y = diag(e) (C_c S_c^T).
-                let s_c = chunk_states.slice(s![b, c, h, .., ..]);
+                let cd_off = ((b * d.nheads + h) * nc + c) * cs;
+                let cum = &cum_flat[cd_off..cd_off + l];
+                let dt = &dt_flat[cd_off..cd_off + l];
+                // Carried state: Y = diag(e) (C_c S_c^T), S_c^T as a (rounded) copy.
+                let s_off = ((b * nc + c) * d.nheads + h) * hd * ds;
+                transpose_into((hd, ds), states_flat, s_off, ds, s_t);
                 if tf32 {
-                    let s_r = s_c.mapv(T::round_tf32);
-                    general_mat_mul(T::one(), &c_c, &s_r.t(), T::zero(), &mut y);
-                } else {
-                    general_mat_mul(T::one(), &c_c, &s_c.t(), T::zero(), &mut y);
+                    round_all(s_t);
                 }
-                for (r, mut row) in y.outer_iter_mut().enumerate() {
-                    let e = if seq[r] == seq_prev {
-                        cum[r].exp()
-                    } else {
-                        T::zero()
-                    };
-                    row.mapv_inplace(|v| v * e);
+                gemm(
+                    (l, hd, ds),
+                    c_c,
+                    Mat::rows(s_t, hd),
+                    y,
+                    hd,
+                    false,
+                    Tri::Full,
+                );
+                e.copy_from_slice(cum);
+                T::exp_all(e);
+                for ((row, &ev), &sq) in y.chunks_exact_mut(hd).zip(e.iter()).zip(seq.iter()) {
+                    let ev = if sq == seq_prev { ev } else { T::zero() };
+                    row.iter_mut().for_each(|v| *v = *v * ev);
                 }
-                // Lmat: causal (j <= i), same sequence, decayed; exp only on j <= i.
-                for r in 0..l {
-                    for k in 0..=r {
-                        let v = if seq[k] == seq[r] {
-                            gm[[r, k]] * (cum[r] - cum[k]).exp() * dt[k]
+                // Lmat: causal (j <= i), same sequence, decayed; exp only where j <= i.
+                for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
+                    let lrow = &mut lrow[..=r];
+                    let grow = &gm[r * l..=r * l + r];
+                    for (lv, &ck) in lrow.iter_mut().zip(cum) {
+                        *lv = cum[r] - ck;
+                    }
+                    T::exp_all(lrow);
+                    for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter())
+                    {
+                        *lv = if sk == seq[r] {
+                            gv * *lv * dk
                         } else {
                             T::zero()
                         };
-                        lmat[[r, k]] = if tf32 { v.round_tf32() } else { v };
+                    }
+                    if tf32 {
+                        round_all(lrow);
                     }
                 }
-                if tf32 {
-                    let x_r = xh.mapv(T::round_tf32);
-                    general_mat_mul(T::one(), &lmat, &x_r, T::one(), &mut y);
-                } else {
-                    general_mat_mul(T::one(), &lmat, &xh, T::one(), &mut y);
+                // Y += Lmat x_c
+                let x_off = ((b * d.seqlen + t0) * d.nheads + h) * hd;
+                for (dst, j) in x_copy.chunks_exact_mut(hd).zip(0..) {
+                    dst.copy_from_slice(&x_flat[x_off + j * x_rs..][..hd]);
                 }
-                // D skip and gate.
-                for (r, mut row) in y.outer_iter_mut().enumerate() {
-                    for (pp, v) in row.iter_mut().enumerate() {
-                        let t = t0 + r;
-                        let yv = *v + p.d_skip(h, pp) * i.x[[b, t, h, pp]];
-                        *v = match &i.z {
-                            Some(z) => gate(yv, z[[b, t, h, pp]]),
-                            None => yv,
-                        };
+                if tf32 {
+                    round_all(x_copy);
+                }
+                gemm(
+                    (l, hd, l),
+                    Mat::rows(lmat, l),
+                    Mat::rows(x_copy, hd),
+                    y,
+                    hd,
+                    true,
+                    Tri::LowerA,
+                );
+                // D skip and gate, into out.
+                let d_skip = scratch(&mut sc.d_skip, hd);
+                d_skip
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(pp, v)| *v = p.d_skip(h, pp));
+                let mut o = block.index_axis_mut(Axis(1), hh);
+                for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate()
+                {
+                    let off = x_off + r * x_rs;
+                    let x_row = &x_flat[off..off + hd];
+                    let orow = orow.as_slice_mut().expect("rows of out are contiguous");
+                    for (((ov, &yv), &dv), &xv) in
+                        orow.iter_mut().zip(yrow).zip(d_skip.iter()).zip(x_row)
+                    {
+                        *ov = yv + dv * xv;
+                    }
+                    if let Some(z) = z_flat {
+                        for (ov, &zv) in orow.iter_mut().zip(&z[off..off + hd]) {
+                            *ov = gate(*ov, zv);
+                        }
                     }
                 }
             }

@@ -24,7 +24,7 @@
 //! scale_c    = exp(cs_last of chunk c)     or 0 when seq_idx at the last token of chunk c
 //!                                           differs from seq_idx at the last token of chunk
 //!                                           c - 1 (from 0 for c = 0)
-//! S_{c+1}    = scale_c * S_c + states_c
+//! S_{c+1}    = scale_c * S_c + states_c          (one fused multiply-add per element)
 //! chunk_states[b, c, h] = S_c,   final_states[b, h] = S_nchunks
 //! ```
 //!
@@ -35,10 +35,12 @@
 //! Under [`MatmulPrecision::Tf32`] the two operands of the chunk-state product, `x_c` and the
 //! already-scaled `diag(w) B_c`, are rounded to TF32 ([`Real::round_tf32`]); `w` itself, the
 //! product's accumulation and the state pass stay in `T`.
-use ndarray::{linalg::general_mat_mul, s, Array2, Array4, Array5, ArrayView2, Axis};
+use ndarray::{s, Array4, Array5, ArrayView2, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
+use crate::compute_out::{round_all, scratch};
+use crate::gemm::{gemm, Mat, Tri};
 use crate::{MatmulPrecision, Problem, Real};
 
 /// Output of [`fwd_pass_state`].
@@ -81,44 +83,79 @@ pub fn chunk_state<T: Real>(
     let cs = p.options().chunk_size;
     check_cumsum(p, cumsum);
     let i = p.inputs();
-    let mut states = Array5::<T>::zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
+    let (hd, ds) = (d.headdim, d.dstate);
+    let mut states = Array5::<T>::zeros((d.batch, nc, d.nheads, hd, ds));
     let tf32 = precision == MatmulPrecision::Tf32;
+    let x_std = i.x.as_standard_layout();
+    let x_flat = x_std.as_slice().expect("standard layout");
+    let b_std = i.B.as_standard_layout();
+    let b_flat = b_std.as_slice().expect("standard layout");
     states
-        .view_mut()
-        .into_shape_with_order((d.batch * nc * d.nheads, d.headdim, d.dstate))
-        .expect("fresh array is contiguous")
-        .axis_iter_mut(Axis(0))
-        .into_par_iter()
+        .as_slice_mut()
+        .expect("fresh array")
+        .par_chunks_mut(hd * ds)
         .enumerate()
-        .for_each(|(bch, mut out)| {
-            let (b, c, h) = (bch / (nc * d.nheads), (bch / d.nheads) % nc, bch % d.nheads);
-            let g = d.group_of_head(h);
-            let t0 = c * cs;
-            let l = p.chunk_len(c);
-            let cum = cumsum.dA_cumsum.slice(s![b, h, c, ..]);
-            let dt = cumsum.dt.slice(s![b, h, c, ..]);
-            let cs_last = cum[l - 1];
-            let seq_last = p.seq_idx_at(b, t0 + l - 1);
-            let b_c = i.B.slice(s![b, t0..t0 + l, g, ..]);
-            // diag(w) B_c
-            let mut wb = Array2::<T>::zeros((l, d.dstate));
-            for (j, (mut row, src)) in wb.outer_iter_mut().zip(b_c.outer_iter()).enumerate() {
-                if p.seq_idx_at(b, t0 + j) != seq_last {
-                    continue;
+        .for_each_init(
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(w, wb, x_c), (bch, out)| {
+                let (b, c, h) = (bch / (nc * d.nheads), (bch / d.nheads) % nc, bch % d.nheads);
+                let g = d.group_of_head(h);
+                let t0 = c * cs;
+                let l = p.chunk_len(c);
+                let cum = cumsum.dA_cumsum.slice(s![b, h, c, ..]);
+                let dt = cumsum.dt.slice(s![b, h, c, ..]);
+                let cs_last = cum[l - 1];
+                let seq_last = p.seq_idx_at(b, t0 + l - 1);
+                // w_j = exp(cs_last - cs_j) * dt'_j (0 for another sequence)
+                let w = scratch(w, l);
+                for (wj, &c) in w.iter_mut().zip(cum.iter()) {
+                    *wj = cs_last - c;
                 }
-                let w = (cs_last - cum[j]).exp() * dt[j];
-                row.zip_mut_with(&src, |o, &v| {
-                    *o = if tf32 { (v * w).round_tf32() } else { v * w }
-                });
-            }
-            let x_c = i.x.slice(s![b, t0..t0 + l, h, ..]);
-            if tf32 {
-                let x_r = x_c.mapv(T::round_tf32);
-                general_mat_mul(T::one(), &x_r.t(), &wb, T::zero(), &mut out);
-            } else {
-                general_mat_mul(T::one(), &x_c.t(), &wb, T::zero(), &mut out);
-            }
-        });
+                T::exp_all(w);
+                // diag(w) B_c, L x dstate
+                let wb = scratch(wb, l * ds);
+                for (j, row) in wb.chunks_exact_mut(ds).enumerate() {
+                    let wj = if p.seq_idx_at(b, t0 + j) == seq_last {
+                        w[j] * dt[j]
+                    } else {
+                        T::zero()
+                    };
+                    let off = ((b * d.seqlen + t0 + j) * d.ngroups + g) * ds;
+                    for (o, &v) in row.iter_mut().zip(&b_flat[off..off + ds]) {
+                        *o = v * wj;
+                    }
+                }
+                if tf32 {
+                    round_all(wb);
+                }
+                // x_c^T: entry (p, j) = x_c[j, p], from a contiguous (rounded) copy of x_c (rows
+                // of x are nheads * headdim apart: in place they would compete for the same
+                // cache sets).
+                let x_off = ((b * d.seqlen + t0) * d.nheads + h) * hd;
+                let x_c = scratch(x_c, l * hd);
+                for (dst, j) in x_c.chunks_exact_mut(hd).zip(0..) {
+                    dst.copy_from_slice(&x_flat[x_off + j * d.nheads * hd..][..hd]);
+                }
+                if tf32 {
+                    round_all(x_c);
+                }
+                let xt = Mat {
+                    data: x_c,
+                    off: 0,
+                    rs: 1,
+                    cs: hd,
+                };
+                gemm(
+                    (hd, ds, l),
+                    xt,
+                    Mat::rows(wb, ds),
+                    out,
+                    ds,
+                    false,
+                    Tri::Full,
+                );
+            },
+        );
     states
 }
 
@@ -182,10 +219,21 @@ pub fn state_passing<T: Real>(
                 };
                 seq_prev = seq_new;
                 let mut local = v.index_axis_mut(Axis(0), c);
-                for (dst, run) in local.iter_mut().zip(s.iter_mut()) {
+                let step = |dst: &mut T, run: &mut T| {
                     let own = *dst;
                     *dst = *run;
-                    *run = scale * *run + own;
+                    *run = scale.mul_add(*run, own);
+                };
+                match local.as_slice_mut() {
+                    // the usual case: a contiguous [headdim, dstate] block, vectorised
+                    Some(local) => local
+                        .iter_mut()
+                        .zip(s.iter_mut())
+                        .for_each(|(d, r)| step(d, r)),
+                    None => local
+                        .iter_mut()
+                        .zip(s.iter_mut())
+                        .for_each(|(d, r)| step(d, r)),
                 }
             }
         });

@@ -1,0 +1,293 @@
+//! The small matrix products of the chunked path: `c (+)= a b` with `a` of any strides, `b`
+//! with contiguous rows, `c` row-major, and an optional triangular restriction.
+//!
+//! The operands of the chunked path are at most `chunk_size x max(chunk_size, headdim,
+//! dstate)` and sit in cache; a general-purpose GEMM spends as much time re-packing such
+//! operands as multiplying them. This one reads them in place: it walks `c` in register tiles
+//! of `MR x NR` (4 x 8 for f64, 4 x 16 for f32: two AVX2 vectors per row), broadcasting
+//! `a[i, k]` and loading `b[k, j..j + NR]`, which LLVM compiles to FMA vector code.
+//!
+//! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
+//! increasing `k`, starting from 0; with `accumulate`, that sum is then added to the old
+//! `c[i, j]` (one more rounding). The result does not depend on the tile sizes.
+
+use crate::Real;
+
+/// A read-only matrix inside a flat slice: entry `(i, k)` is `data[off + i * rs + k * cs]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub off: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// A row-major matrix with `cols` columns occupying all of `data`.
+    pub fn rows(data: &'a [T], cols: usize) -> Self {
+        Mat {
+            data,
+            off: 0,
+            rs: cols,
+            cs: 1,
+        }
+    }
+}
+
+/// Which part of the product is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tri {
+    /// All of `c`.
+    Full,
+    /// `a` is lower triangular (`a[i, k] = 0` for `k > i`): the row tile `[i0, i0 + MR)` stops
+    /// at `k = i0 + MR`, skipping only products with exact zeros.
+    LowerA,
+    /// Only `c[i, j]` with `j <= i` is wanted: the row tile `[i0, i0 + MR)` computes the column
+    /// tiles that reach column `i0 + MR - 1` and leaves the rest of its rows untouched (entries
+    /// just right of the diagonal may be computed or not).
+    LowerC,
+}
+
+/// `c = a b` (or `c += a b` with `accumulate`) for `a` `m x k`, `b` `k x n` (`b.cs == 1`),
+/// `c` `m x n` row-major with row stride `ldc`, restricted by `tri`.
+///
+/// # Panics
+/// If `b.cs != 1` or an operand is too short for its shape.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    tri: Tri,
+) {
+    assert_eq!(b.cs, 1, "b must have contiguous rows");
+    if std::mem::size_of::<T>() == 8 {
+        tiles::<T, 4, 8>((m, n, k), a, b, c, ldc, accumulate, tri);
+    } else {
+        tiles::<T, 4, 16>((m, n, k), a, b, c, ldc, accumulate, tri);
+    }
+}
+
+fn tiles<T: Real, const MR: usize, const NR: usize>(
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    tri: Tri,
+) {
+    let mut i0 = 0;
+    while i0 < m {
+        let mr = MR.min(m - i0);
+        let (k_end, n_end) = match tri {
+            Tri::Full => (k, n),
+            Tri::LowerA => ((i0 + mr).min(k), n),
+            // whole NR-wide tiles up to the diagonal (a few entries right of it come along)
+            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR).min(n)),
+        };
+        let mut j0 = 0;
+        while j0 < n_end {
+            let nr = NR.min(n_end - j0);
+            if mr == MR && nr == NR {
+                full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, accumulate);
+            } else {
+                // Edge tile: the same sums, one entry at a time.
+                for r in 0..mr {
+                    for q in 0..nr {
+                        let mut sum = T::zero();
+                        for kk in 0..k_end {
+                            let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+                            sum = av.mul_add(b.data[b.off + kk * b.rs + j0 + q], sum);
+                        }
+                        let cv = &mut c[(i0 + r) * ldc + j0 + q];
+                        *cv = if accumulate { *cv + sum } else { sum };
+                    }
+                }
+            }
+            j0 += NR;
+        }
+        i0 += MR;
+    }
+}
+
+/// One full `MR x NR` tile of `c` at `(i0, j0)`, summing `k` from 0 to `k_end`.
+// Written with index loops over a local fixed-size accumulator that nothing else touches: the
+// shape in which LLVM's SLP vectoriser keeps the accumulators in vector registers.
+#[inline(never)]
+#[allow(clippy::needless_range_loop)]
+fn full_tile<T: Real, const MR: usize, const NR: usize>(
+    (i0, j0, k_end): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+) {
+    let mut acc = [[T::zero(); NR]; MR];
+    for kk in 0..k_end {
+        let bo = b.off + kk * b.rs + j0;
+        let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
+        for r in 0..MR {
+            let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+            for q in 0..NR {
+                acc[r][q] = av.mul_add(brow[q], acc[r][q]);
+            }
+        }
+    }
+    for r in 0..MR {
+        let co = (i0 + r) * ldc + j0;
+        let crow: &mut [T; NR] = (&mut c[co..co + NR]).try_into().expect("NR entries");
+        for q in 0..NR {
+            crow[q] = if accumulate {
+                crow[q] + acc[r][q]
+            } else {
+                acc[r][q]
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The same sums by a triple loop: fma over k in order from 0, as documented.
+    fn reference(
+        (m, n, k): (usize, usize, usize),
+        a: &Mat<'_, f64>,
+        b: &Mat<'_, f64>,
+        c: &mut [f64],
+        ldc: usize,
+        accumulate: bool,
+        tri: Tri,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                if tri == Tri::LowerC && j > i {
+                    continue;
+                }
+                let mut s = 0.0f64;
+                for kk in 0..k {
+                    let av = a.data[a.off + i * a.rs + kk * a.cs];
+                    s = av.mul_add(b.data[b.off + kk * b.rs + j], s);
+                }
+                let cv = &mut c[i * ldc + j];
+                *cv = if accumulate { *cv + s } else { s };
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_triple_loop_on_random_shapes_strides_and_modes() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        for case in 0..400 {
+            let (m, n, k) = (
+                rng.random_range(1..40),
+                rng.random_range(1..40),
+                rng.random_range(1..40),
+            );
+            let tri = match case % 3 {
+                0 => Tri::Full,
+                1 => Tri::LowerA,
+                _ => Tri::LowerC,
+            };
+            let k = if tri == Tri::LowerA { m } else { k };
+            let accumulate = case % 2 == 0;
+            // a stored transposed half of the time, with padding between rows/columns
+            let pad = rng.random_range(0..3);
+            let (rs, cs) = if case % 4 < 2 {
+                (k + pad, 1)
+            } else {
+                (1, m + pad)
+            };
+            let off = rng.random_range(0..5);
+            let mut a_data: Vec<f64> = (0..off + m * k * (2 + pad) + 4)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            if tri == Tri::LowerA {
+                for i in 0..m {
+                    for kk in i + 1..k {
+                        a_data[off + i * rs + kk * cs] = 0.0;
+                    }
+                }
+            }
+            let b_rs = n + rng.random_range(0..3);
+            let b_data: Vec<f64> = (0..k * b_rs + 3)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let a = Mat {
+                data: &a_data,
+                off,
+                rs,
+                cs,
+            };
+            let b = Mat {
+                data: &b_data,
+                off: 1,
+                rs: b_rs,
+                cs: 1,
+            };
+            let ldc = n + 1;
+            let c0: Vec<f64> = (0..m * ldc).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (mut got, mut want) = (c0.clone(), c0.clone());
+            gemm((m, n, k), a, b, &mut got, ldc, accumulate, tri);
+            reference((m, n, k), &a, &b, &mut want, ldc, accumulate, tri);
+            // LowerA skips exact zeros only; same order, so the results are identical
+            // (up to the sign of zero).
+            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                let (i, j) = (idx / ldc, idx % ldc);
+                if tri == Tri::LowerC && j > i && j < n {
+                    // may or may not be computed (tile granularity): either the old value or
+                    // the product
+                    continue;
+                }
+                assert!(
+                    g == w,
+                    "case {case} ({m}x{n}x{k}, {tri:?}) at ({i}, {j}): {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn f32_tiles_match_f64_to_rounding() {
+        let mut rng = ChaCha8Rng::seed_from_u64(22);
+        let (m, n, k) = (37, 50, 45);
+        let a: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let b64: Vec<f64> = b.iter().map(|&v| v as f64).collect();
+        let mut c = vec![0f32; m * n];
+        let mut c64 = vec![0f64; m * n];
+        gemm(
+            (m, n, k),
+            Mat::rows(&a, k),
+            Mat::rows(&b, n),
+            &mut c,
+            n,
+            false,
+            Tri::Full,
+        );
+        gemm(
+            (m, n, k),
+            Mat::rows(&a64, k),
+            Mat::rows(&b64, n),
+            &mut c64,
+            n,
+            false,
+            Tri::Full,
+        );
+        // each f32 entry: k fused multiply-adds of terms <= 1: |error| <= k * u32 * sum|terms|
+        // <= k * 2^-24 * k
+        let bound = (k * k) as f64 * f64::from(f32::EPSILON) / 2.0;
+        for (x, y) in c.iter().zip(&c64) {
+            assert!((*x as f64 - y).abs() <= bound, "{x} vs {y}");
+        }
+    }
+}
