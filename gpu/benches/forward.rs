@@ -4,7 +4,8 @@
 //! in, final states out). Also each stage's share. Prints a table and one `BENCH_JSON {...}`
 //! line per shape for scripts.
 //!
-//! `cargo bench -p ssd-gpu --bench forward [-- --reps N]`. Without a GPU it says so and exits 0.
+//! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
+//! alone, from 0, e.g. under a profiler). Without a GPU it says so and exits 0.
 
 use std::sync::Arc;
 
@@ -154,6 +155,11 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(30usize);
+    let only: Option<usize> = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
     if args.iter().any(|a| a == "--list" || a == "--test") {
         return; // `cargo test --benches` runs nothing
     }
@@ -171,7 +177,10 @@ fn main() {
     );
     println!(" b      L   H   P    N  G    Q");
     let mut json = Vec::new();
-    for shape in SHAPES {
+    for (k, shape) in SHAPES.into_iter().enumerate() {
+        if only.is_some_and(|o| o != k) {
+            continue;
+        }
         match bench(&gpu, shape, reps) {
             Ok(j) => json.push(j),
             Err(e) => println!("{shape:?}: {e}"),
