@@ -40,10 +40,10 @@ fn check(p: &Problem<f64>) -> (f64, f64) {
 }
 
 proptest! {
-    #![proptest_config(config(192, 0x55D_0001))]
+    #![proptest_config(config(256, 0x55D_0001))]
 
     #[test]
-    fn random_shapes_and_options(spec in any_spec(160), seed in any::<u64>()) {
+    fn random_shapes_and_options(spec in any_spec(300), seed in any::<u64>()) {
         let p = random_problem(&spec, seed).unwrap();
         check(&p);
     }

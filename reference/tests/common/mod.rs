@@ -198,8 +198,8 @@ pub fn any_spec(max_seqlen: usize) -> impl Strategy<Value = ProblemSpec> {
         prop_oneof![Just(1usize), 1..=max_seqlen],
         1usize..=3,
         1usize..=3,
-        1usize..=9,
-        1usize..=17,
+        1usize..=20,
+        1usize..=40,
     )
         .prop_map(|(batch, seqlen, ngroups, hpg, headdim, dstate)| Dims {
             batch,
