@@ -258,12 +258,26 @@ fn tf32_with_naive_is_refused_before_any_work() {
 }
 
 #[test]
-fn gpu_is_refused_clearly_while_not_wired() {
+fn gpu_runs_or_says_no_cuda_in_one_line() {
     let dir = scratch("gpu");
     let case = write_full_case(&dir);
     let out = dir.join("o.safetensors");
     let o = oracle(&["run", "--case", s(&case), "--impl", "gpu", "--out", s(&out)]);
-    assert_refused(&o, &["the gpu implementation is not available yet"]);
+    if o.status.success() {
+        // A GPU is here: tf32 outputs with every tensor of the chunked path.
+        let f = fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&f).unwrap();
+        for name in ["out", "final_states", "dA_cumsum", "chunk_states"] {
+            assert_eq!(st.tensor(name).unwrap().dtype(), safetensors::Dtype::F32);
+        }
+        return;
+    }
+    let err = stderr(&o);
+    if std::env::var("SSD_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("SSD_REQUIRE_GPU=1 but the gpu run failed: {err}");
+    }
+    eprintln!("skipped: no CUDA device ({})", err.trim_end());
+    assert_refused(&o, &["no CUDA"]);
     assert_files(&dir, &["case.json", "case.safetensors"]);
 }
 

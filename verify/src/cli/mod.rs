@@ -145,6 +145,14 @@ impl Impl {
             Impl::Gpu => "gpu",
         }
     }
+
+    /// The precision used when none is asked for: f64 on the CPU, tf32 on the GPU.
+    pub fn default_precision(self) -> Precision {
+        match self {
+            Impl::Gpu => Precision::Tf32,
+            Impl::Naive | Impl::Chunked => Precision::F64,
+        }
+    }
 }
 
 /// The arithmetic a computation uses.
@@ -189,6 +197,12 @@ pub fn check_combination(imp: Impl, precision: Precision) -> Result<(), VerifyEr
     }
     if imp == Impl::Gpu {
         gpu_available()?;
+        if precision != Precision::Tf32 {
+            return Err(VerifyError::Usage(format!(
+                "--impl gpu computes in tf32 (TF32 tensor-core products, f32 elsewhere), not {}: use --precision tf32",
+                precision.name()
+            )));
+        }
     }
     Ok(())
 }
@@ -281,23 +295,35 @@ fn widen<T: ssd_reference::Real>((o, d): (Outputs<T>, Duration)) -> (Outputs<f64
 // ---------------------------------------------------------------------------------------------
 // GPU hook: the ssd-gpu crate plugs in here (availability check and the forward pass).
 
-/// Whether the GPU implementation can run here.
+/// Whether the GPU implementation can run here: a CUDA driver, a device, and kernels that compile.
 ///
 /// # Errors
-/// [`VerifyError::Unavailable`] with the reason.
+/// [`VerifyError::Unavailable`] with the reason (e.g. "no CUDA driver: ...").
 pub fn gpu_available() -> Result<(), VerifyError> {
-    Err(VerifyError::Unavailable(
-        "the gpu implementation is not available yet".into(),
-    ))
+    ssd_gpu::default_gpu()
+        .map(|_| ())
+        .map_err(|e| VerifyError::Unavailable(e.to_string()))
 }
 
-/// The GPU forward pass (to be wired to ssd-gpu: time the kernels, not the transfers).
+/// The GPU forward pass: uploads the f32 problem, times the three kernels alone (launch to
+/// synchronisation), downloads every output and widens it to f64.
 fn gpu_forward(
-    _problem: &Prepared<'_>,
-    _precision: Precision,
+    problem: &Prepared<'_>,
+    precision: Precision,
 ) -> Result<(Outputs<f64>, Duration), VerifyError> {
-    gpu_available()?;
-    Err(VerifyError::Unavailable(
-        "the gpu implementation is not available yet".into(),
-    ))
+    let Prepared::F32(p) = problem else {
+        return Err(VerifyError::Usage(format!(
+            "--impl gpu computes in tf32 only, not {}",
+            precision.name()
+        )));
+    };
+    let unavailable = |e: ssd_gpu::GpuError| VerifyError::Unavailable(e.to_string());
+    let gpu = ssd_gpu::default_gpu().map_err(unavailable)?;
+    let inputs = gpu.upload(p).map_err(unavailable)?;
+    let start = Instant::now();
+    let outputs = gpu.forward_device(&inputs).map_err(unavailable)?;
+    gpu.synchronize().map_err(unavailable)?;
+    let took = start.elapsed();
+    let host = gpu.download(&outputs).map_err(unavailable)?;
+    Ok((Outputs::from(host).to_f64(), took))
 }

@@ -28,9 +28,9 @@ pub struct Args {
     pub out: PathBuf,
 
     /// The arithmetic: f64, f32 (inputs rounded to f32), or tf32 (f32 with TF32-rounded matrix
-    /// products: the chunked path only).
-    #[arg(long, value_enum, default_value = "f64")]
-    pub precision: Precision,
+    /// products: the chunked path and the GPU). Default: f64, tf32 for the GPU (all it computes).
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
 
     /// Compute N times and report the timings (the outputs of the last run are written).
     #[arg(long, value_name = "N", default_value_t = 1,
@@ -49,7 +49,10 @@ pub struct Args {
 /// Any [`VerifyError`]: a bad combination of options, an unusable output path, a case that
 /// cannot be read. The output file is written only after every computation succeeded.
 pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
-    check_combination(args.implementation, args.precision)?;
+    let precision = args
+        .precision
+        .unwrap_or(args.implementation.default_precision());
+    check_combination(args.implementation, precision)?;
     check_out_path(&args.out)?;
     let loaded = fixture::read_case(&args.case)?;
     for input in [&loaded.manifest_path, &loaded.tensors_path] {
@@ -63,7 +66,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     }
     let problem = &loaded.case.problem;
     check_output_size(problem, args.implementation)?;
-    let prepared = Prepared::new(problem, args.precision);
+    let prepared = Prepared::new(problem, precision);
 
     let progress = (args.repeat > 1).then(|| {
         let pb = ProgressBar::new(u64::from(args.repeat));
@@ -74,7 +77,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         pb.set_message(format!(
             "{} {}",
             args.implementation.name(),
-            args.precision.name()
+            precision.name()
         ));
         pb
     });
@@ -83,7 +86,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     for _ in 0..args.repeat {
         // Free the previous outputs first: only the last ones are written.
         drop(last.take());
-        let (outputs, took) = compute(&prepared, args.implementation, args.precision)?;
+        let (outputs, took) = compute(&prepared, args.implementation, precision)?;
         times.push(took);
         last = Some(outputs);
         if let Some(pb) = &progress {
@@ -94,7 +97,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         pb.finish_and_clear();
     }
     let outputs = last.expect("repeat >= 1");
-    outputs.write(&args.out, args.precision.store_dtype())?;
+    outputs.write(&args.out, precision.store_dtype())?;
 
     let ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e3).collect();
     let median = median(&ms);
@@ -109,8 +112,8 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
             "case": args.case.display().to_string(),
             "out": args.out.display().to_string(),
             "impl": args.implementation.name(),
-            "precision": args.precision.name(),
-            "dtype": fixture::Dtype::from(args.precision.store_dtype()).name(),
+            "precision": precision.name(),
+            "dtype": fixture::Dtype::from(precision.store_dtype()).name(),
             "dims": {
                 "batch": dims.batch,
                 "seqlen": dims.seqlen,
@@ -143,10 +146,10 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         println!(
             "wrote {} ({}) to {}: {} {} computed in {timing} on {} threads",
             names.join(", "),
-            fixture::Dtype::from(args.precision.store_dtype()),
+            fixture::Dtype::from(precision.store_dtype()),
             args.out.display(),
             args.implementation.name(),
-            args.precision.name(),
+            precision.name(),
             rayon::current_num_threads(),
         );
     }
