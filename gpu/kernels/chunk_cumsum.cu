@@ -32,6 +32,35 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     i64 out = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
 
     float cs = 0.0f;
+    if ((chunk_size & 15) == 0) {
+        // 16 tokens at a time: their loads in flight together, then the same sequential sum,
+        // stored 16 bytes wide (out and l are multiples of 16 here).
+        for (int l0 = 0; l0 < chunk_size; l0 += 16) {
+            float v[16];
+#pragma unroll
+            for (int k = 0; k < 16; ++k) v[k] = l0 + k < valid ? src[(i64)(l0 + k) * nheads] : 0.0f;
+            float cv[16];
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                float u = 0.0f;
+                if (l0 + k < valid) {
+                    u = v[k];
+                    if (dt_bias != nullptr) u += bias;
+                    if (dt_softplus) u = u > 20.0f ? u : log1pf(expf(u));
+                    u = fminf(fmaxf(u, dt_lo), dt_hi);
+                }
+                v[k] = u;
+                cs = __fadd_rn(cs, __fmul_rn(u, a));
+                cv[k] = cs;
+            }
+#pragma unroll
+            for (int k = 0; k < 16; k += 4) {
+                *reinterpret_cast<float4*>(dt_out + out + l0 + k) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+                *reinterpret_cast<float4*>(dA_cumsum + out + l0 + k) = make_float4(cv[k], cv[k + 1], cv[k + 2], cv[k + 3]);
+            }
+        }
+        return;
+    }
     for (int l = 0; l < chunk_size; ++l) {
         float v = 0.0f;
         if (l < valid) {

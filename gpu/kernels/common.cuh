@@ -117,3 +117,74 @@ __device__ __forceinline__ void load_tile_tf32(float* dst, int dst_stride, const
         load_block64_tf32<ROWS, NT, false>(dst + c0, dst_stride, src + c0, src_stride, rows_valid,
                                            cols_valid - c0, nullptr, tid);
 }
+
+// Asynchronous global -> shared copies (sm_80+). `valid == false` zero-fills the destination
+// without reading (the source address is then replaced by `fallback`, a valid address).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (unsigned)a;
+}
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, bool valid, const float* fallback) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(valid ? src : fallback), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid, const void* fallback) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(valid ? src : fallback), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still pending; the completed
+// copies are then visible to this thread (to the others after a barrier).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Whether a 64-column block of a row-major global matrix can be copied 16 bytes at a time.
+__device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int cols_valid) {
+    return (((unsigned long long)src | (unsigned long long)(src_stride * 4)) & 15) == 0 && (cols_valid & 3) == 0;
+}
+
+// Starts copying a 64 x 64 block of a row-major global matrix into shared memory (raw f32):
+//   dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows_valid, c < cols_valid, 0
+// elsewhere. dst_stride must be a multiple of 4. 128 threads; the same thread -> element map
+// as round_block64_tf32, which rounds the block in place once the copies have landed.
+__device__ __forceinline__ void async_block64(float* dst, int dst_stride, const float* __restrict__ src,
+                                              i64 src_stride, int rows_valid, int cols_valid, int tid) {
+    if (vec16_ok(src, src_stride, cols_valid)) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            int e = tid + k * 128;
+            int r = e >> 4, c = (e & 15) << 2;
+            cp_async16(dst + r * dst_stride + c, src + r * src_stride + c, r < rows_valid && c < cols_valid, src);
+        }
+    } else {
+#pragma unroll 8
+        for (int k = 0; k < 32; ++k) {
+            int e = tid + k * 128;
+            int r = e >> 6, c = e & 63;
+            cp_async4(dst + r * dst_stride + c, src + r * src_stride + c, r < rows_valid && c < cols_valid, src);
+        }
+    }
+}
+
+// Rounds to TF32, in place, the elements of a 64 x 64 shared block that this thread copied
+// with async_block64 (same arguments), after cp_async_wait: no barrier is needed before it.
+__device__ __forceinline__ void round_block64_tf32(float* dst, int dst_stride, const float* src, i64 src_stride,
+                                                   int cols_valid, int tid) {
+    if (vec16_ok(src, src_stride, cols_valid)) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            int e = tid + k * 128;
+            float4* p = reinterpret_cast<float4*>(dst + (e >> 4) * dst_stride + ((e & 15) << 2));
+            float4 v = *p;
+            *p = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+        }
+    } else {
+#pragma unroll 8
+        for (int k = 0; k < 32; ++k) {
+            int e = tid + k * 128;
+            float* p = dst + (e >> 6) * dst_stride + (e & 63);
+            *p = tf32_round(*p);
+        }
+    }
+}

@@ -206,3 +206,285 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
         }
     }
 }
+
+// Stage 3, fast path (chunk sizes 64 to 512; ssd_compute_out above serves every other size
+// and stays selectable): the scores C B^T once per (batch, chunk, group), shared by the group's
+// heads, then the output kernel streaming 64-wide tiles through a cp.async double buffer.
+//
+// 3a. One block of 128 threads per (batch b, chunk c, group g, pair of 64-row tiles it >= jt of
+// the chunk), grid x = c * npairs + pair, pair = it (it + 1) / 2 + jt, npairs = T (T + 1) / 2
+// with T = ceil(min(chunk_size, seqlen) / 64):
+//   cb[b, c, g, pair][r][s] = C[it * 64 + r, :] . B[jt * 64 + s, :]
+// (rows past the chunk's real tokens 0), the same TF32 product, with the same fragments in
+// the same order, as ssd_compute_out's scores, so the output is the same to the bit.
+// Dynamic shared memory: 2 * 64 * NS floats, NS = round_up(dstate, 64) + 4.
+extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
+    const float* __restrict__ Bm,  // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ Cm,  // [batch, seqlen, ngroups, dstate]
+    float* __restrict__ cbuf,      // [batch, nchunks, ngroups, npairs, 64, 64]
+    int seqlen, int ngroups, int dstate, int chunk_size, int nchunks, int tmax)
+{
+    extern __shared__ __align__(16) float smem[];
+    const int NC64 = ((dstate + 63) / 64) * 64;
+    const int NS = NC64 + 4;
+    const int NK = ((dstate + 7) / 8) * 8;
+    float* c_tile = smem;
+    float* b_tile = c_tile + 64 * NS;
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int npairs = tmax * (tmax + 1) / 2;
+    const int c = blockIdx.x / npairs;
+    const int pair = blockIdx.x % npairs;
+    int it = 0;
+    while ((it + 1) * (it + 2) / 2 <= pair) ++it;
+    const int jt = pair - it * (it + 1) / 2;
+    const int grp = blockIdx.y;
+    const int b = blockIdx.z;
+    const i64 t0 = (i64)c * chunk_size;
+    const int valid_c = (int)min((i64)chunk_size, (i64)seqlen - t0);
+    const int i0 = it * 64, j0 = jt * 64;
+    if (i0 >= valid_c) return;  // never read (block-uniform)
+    const int rows_i = min(64, valid_c - i0);
+    const int rows_j = min(64, valid_c - j0);
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    const float* bg = Bm + (i64)b * seqlen * tok_stride_b + (i64)grp * dstate;
+    const float* cg = Cm + (i64)b * seqlen * tok_stride_b + (i64)grp * dstate;
+    load_tile_tf32<64, 128>(c_tile, NS, cg + (t0 + i0) * tok_stride_b, tok_stride_b, rows_i, dstate, NC64, tid);
+    load_tile_tf32<64, 128>(b_tile, NS, bg + (t0 + j0) * tok_stride_b, tok_stride_b, rows_j, dstate, NC64, tid);
+    __syncthreads();
+    float sc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
+    }
+    for (int kk = 0; kk < NK; kk += 8) {
+        unsigned a[4];
+        load_a_rowmajor(a, c_tile + warp * 16 * NS + kk, NS, g, q);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            unsigned bf[2];
+            load_b_nrows(bf, b_tile + j * 8 * NS + kk, NS, g, q);
+            mma_tf32(sc[j], a, bf);
+        }
+    }
+    float* dst = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + pair) * 4096;
+    const int r0 = warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int col = j * 8 + 2 * q;
+        *reinterpret_cast<float2*>(dst + r0 * 64 + col) = make_float2(sc[j][0], sc[j][1]);
+        *reinterpret_cast<float2*>(dst + (r0 + 8) * 64 + col) = make_float2(sc[j][2], sc[j][3]);
+    }
+}
+
+// 3b. One block of 128 threads (4 warps, 16 rows each) per (batch b, chunk c, 64 rows i of the
+// chunk, head h, 64 headdim columns p), the grid of ssd_compute_out, the same sums in the same
+// order (bitwise the same output), as a pipeline of steps, each one pair of 64 x 64 tiles
+// copied with cp.async into one half of a double buffer while the other half is used:
+//   steps 0 .. nslab-1 (only when the carried state is not 0): C[i, n0:n0+64] and
+//     S[p, n0:n0+64], rounded to TF32 in place, acc += C S^T (k ascending, as one product);
+//   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
+//   steps for each column tile jt <= it: the raw scores cb[b, c, g, pair(it, jt)] and x[j, p]
+//     (x rounded in place); each warp masks and decays its 16 score rows in place
+//     (v = score * exp(cs_i - cs_j) * dt'_j where j <= i, same seq, inside seqlen; else 0),
+//     rounds them to TF32 and multiplies them by x: acc += stage . x.
+// Dynamic shared memory (floats): 2 buffers of [64 x 68 (C slab or scores), 64 x 72 (S slab
+// at stride 68, or x at 72), cs_j[64], dt_j[64], seq_j[64]], then cs_i[64], seq_i[64].
+#define CO2_A 68
+#define CO2_BUF (64 * CO2_A + 64 * CO_XSTRIDE + 3 * 64)
+extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
+    const float* __restrict__ x,             // [batch, seqlen, nheads, headdim]
+    const float* __restrict__ Cm,            // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ Dv,            // [nheads] or [nheads, headdim] or null
+    const float* __restrict__ z,             // [batch, seqlen, nheads, headdim] or null
+    const float* __restrict__ dt_out,        // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ dA_cumsum,     // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ chunk_states,  // [batch, nchunks, nheads, headdim, dstate]
+    const int* __restrict__ seq_idx,         // [batch, seqlen] or null
+    const float* __restrict__ cbuf,          // [batch, nchunks, ngroups, npairs, 64, 64]
+    float* __restrict__ out,                 // [batch, seqlen, nheads, headdim]
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks,
+    int d_per_channel, int has_initial_states, int tmax)
+{
+    extern __shared__ __align__(16) float smem[];
+    float* cs_i = smem + 2 * CO2_BUF;
+    int* seq_i = (int*)(cs_i + 64);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int itiles = (chunk_size + CO_TM - 1) / CO_TM;
+    const int c = blockIdx.x / itiles;
+    const int it = blockIdx.x % itiles;
+    const int i0 = it * CO_TM;
+    const int ptiles = (headdim + CO_TP - 1) / CO_TP;
+    const int h = blockIdx.y / ptiles;
+    const int p0 = (blockIdx.y % ptiles) * CO_TP;
+    const int b = blockIdx.z;
+    const int grp = h / (nheads / ngroups);
+
+    const i64 t0 = (i64)c * chunk_size;
+    const int valid_c = (int)min((i64)chunk_size, (i64)seqlen - t0);
+    if (i0 >= valid_c) return;  // the whole tile lies past seqlen (block-uniform)
+    const int rows_i = min(CO_TM, valid_c - i0);
+    const int cols_p = min(CO_TP, headdim - p0);
+    const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
+    const i64 tok_stride_x = (i64)nheads * headdim;
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    const float* xh = x + (i64)b * seqlen * tok_stride_x + (i64)h * headdim + p0;
+    const float* cg = Cm + (i64)b * seqlen * tok_stride_b + (i64)grp * dstate + (t0 + i0) * tok_stride_b;
+    const float* st = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate + (i64)p0 * dstate;
+    const int npairs = tmax * (tmax + 1) / 2;
+    const float* cbt = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + it * (it + 1) / 2) * 4096;
+    const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen : nullptr;
+
+    for (int r = tid; r < CO_TM; r += CO_THREADS) {
+        cs_i[r] = r < rows_i ? dA_cumsum[cb + i0 + r] : 0.0f;
+        seq_i[r] = (seq_row != nullptr && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
+    }
+
+    const int NC64 = ((dstate + 63) / 64) * 64;
+    const int NK = ((dstate + 7) / 8) * 8;
+    const int nslab = (c > 0 || has_initial_states) ? NC64 / 64 : 0;
+    const int nsteps = nslab + it + 1;
+
+    // Starts the copies of step s into buffer s & 1.
+    auto issue = [&](int s) {
+        float* ta = smem + (s & 1) * CO2_BUF;
+        float* tb = ta + 64 * CO2_A;
+        if (s < nslab) {
+            const int n0 = s * 64;
+            async_block64(ta, CO2_A, cg + n0, tok_stride_b, rows_i, dstate - n0, tid);
+            async_block64(tb, CO2_A, st + n0, dstate, cols_p, dstate - n0, tid);
+        } else {
+            const int jt = s - nslab;
+            const int j0 = jt * 64;
+            const int rows_j = min(CO_TJ, valid_c - j0);
+            async_block64(ta, CO2_A, cbt + jt * 4096, 64, 64, 64, tid);
+            async_block64(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p, tid);
+            float* cs_j = tb + 64 * CO_XSTRIDE;
+            float* dt_j = cs_j + 64;
+            int* seq_j = (int*)(dt_j + 64);
+            if (tid < 64) {
+                const bool ok = tid < rows_j;
+                cp_async4(cs_j + tid, dA_cumsum + cb + j0 + tid, ok, dA_cumsum);
+                cp_async4(dt_j + tid, dt_out + cb + j0 + tid, ok, dt_out);
+                if (seq_row != nullptr) cp_async4(seq_j + tid, seq_row + t0 + j0 + tid, ok, seq_row);
+                else seq_j[tid] = 0;
+            }
+        }
+    };
+
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+    const int r0 = warp * 16 + g;  // this thread's accumulator rows: r0 and r0 + 8
+
+    issue(0);
+    cp_async_commit();
+    for (int s = 0; s < nsteps; ++s) {
+        if (s + 1 < nsteps) issue(s + 1);  // its buffer was released by the barrier ending step s - 1
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of step s have landed
+        float* ta = smem + (s & 1) * CO2_BUF;
+        float* tb = ta + 64 * CO2_A;
+        if (s < nslab) {
+            const int n0 = s * 64;
+            round_block64_tf32(ta, CO2_A, cg + n0, tok_stride_b, dstate - n0, tid);
+            round_block64_tf32(tb, CO2_A, st + n0, dstate, dstate - n0, tid);
+            __syncthreads();
+            const int kend = min(64, NK - n0);
+            for (int kk = 0; kk < kend; kk += 8) {
+                unsigned a[4];
+                load_a_rowmajor(a, ta + warp * 16 * CO2_A + kk, CO2_A, g, q);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    unsigned bf[2];
+                    load_b_nrows(bf, tb + j * 8 * CO2_A + kk, CO2_A, g, q);
+                    mma_tf32(acc[j], a, bf);
+                }
+            }
+        } else {
+            const int jt = s - nslab;
+            const int j0 = jt * 64;
+            const int rows_j = min(CO_TJ, valid_c - j0);
+            round_block64_tf32(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, cols_p, tid);
+            __syncthreads();
+            if (s == nslab && nslab > 0) {
+                const int seq_prev = (seq_row == nullptr || c == 0) ? 0 : seq_row[t0 - 1];
+                const float f0 = seq_i[r0] == seq_prev ? expf(cs_i[r0]) : 0.0f;
+                const float f1 = seq_i[r0 + 8] == seq_prev ? expf(cs_i[r0 + 8]) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    acc[j][0] *= f0;
+                    acc[j][1] *= f0;
+                    acc[j][2] *= f1;
+                    acc[j][3] *= f1;
+                }
+            }
+            const float* cs_j = tb + 64 * CO_XSTRIDE;
+            const float* dt_j = cs_j + 64;
+            const int* seq_j = (const int*)(dt_j + 64);
+            // Mask and decay this warp's 16 score rows in place, as TF32.
+            float* my = ta + warp * 16 * CO2_A;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int e = lane + 32 * k;
+                const int rr = e >> 4, col4 = (e & 15) << 2;
+                const int r = warp * 16 + rr;
+                const int i = i0 + r;
+                float4* pv = reinterpret_cast<float4*>(my + rr * CO2_A + col4);
+                float4 sv = *pv;
+                float vals[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int col = col4 + u;
+                    float v = 0.0f;
+                    if (j0 + col <= i && r < rows_i && col < rows_j && seq_j[col] == seq_i[r])
+                        v = vals[u] * expf(cs_i[r] - cs_j[col]) * dt_j[col];
+                    vals[u] = tf32_round(v);
+                }
+                *pv = make_float4(vals[0], vals[1], vals[2], vals[3]);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int kk = 0; kk < CO_TJ; kk += 8) {
+                unsigned a[4];
+                load_a_rowmajor(a, my + kk, CO2_A, g, q);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    unsigned bf[2];
+                    load_b_krows(bf, tb + kk * CO_XSTRIDE + j * 8, CO_XSTRIDE, g, q);
+                    mma_tf32(acc[j], a, bf);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with buffer s & 1 before step s + 2 refills it
+    }
+
+    // Epilogue: D skip, z gate, store.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int r = r0 + ((e & 2) ? 8 : 0);
+            int col = j * 8 + 2 * q + (e & 1);
+            if (r < rows_i && col < cols_p) {
+                i64 off = (i64)b * seqlen * tok_stride_x + (t0 + i0 + r) * tok_stride_x + (i64)h * headdim + p0 + col;
+                float y = acc[j][e];
+                if (Dv != nullptr) {
+                    float d = d_per_channel ? Dv[(i64)h * headdim + p0 + col] : Dv[h];
+                    y += d * x[off];
+                }
+                if (z != nullptr) {
+                    float zz = z[off];
+                    y = y * zz / (1.0f + expf(-zz));
+                }
+                out[off] = y;
+            }
+        }
+    }
+}

@@ -141,3 +141,155 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
         }
     }
 }
+
+// Stage 2, split in two for parallelism (the default path; ssd_fwd_pass_state above is the
+// fused sequential variant, kept selectable).
+//
+// 2a. Each chunk's own state, all chunks in parallel: one block of 128 threads per (batch b,
+// chunk c, head h, 64 x 64 tile of [headdim, dstate]), writing into chunk_states[b, c, h]
+//   L_c[p, n] = sum_{l <= last, seq(l) == seq(last)} x[l, p] * w[l] * B[l, n],
+//   w[l] = exp(cs[last] - cs[l]) * dt'[l],
+// the same TF32 product (operands rounded at the same points) as the fused kernel, started
+// from zero instead of from scale * S. The grid's x is chunk-major: c * tiles + tile.
+extern "C" __global__ void __launch_bounds__(ST_THREADS, 4) ssd_chunk_state_local(
+    const float* __restrict__ x,          // [batch, seqlen, nheads, headdim]
+    const float* __restrict__ Bm,         // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ dt_out,     // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ dA_cumsum,  // [batch, nheads, nchunks, chunk_size]
+    const int* __restrict__ seq_idx,      // [batch, seqlen] or null
+    float* __restrict__ chunk_states,     // [batch, nchunks, nheads, headdim, dstate] (L_c here)
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
+{
+    __shared__ __align__(16) float xs[ST_TK * ST_STRIDE];   // [token][p]
+    __shared__ __align__(16) float bs[ST_TK * ST_STRIDE];   // [token][n], times w
+    __shared__ float ws[ST_TK];
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int ntiles_n = (dstate + ST_TN - 1) / ST_TN;
+    const int tiles = ((headdim + ST_TP - 1) / ST_TP) * ntiles_n;
+    const int c = blockIdx.x / tiles;
+    const int tile = blockIdx.x % tiles;
+    const int p0 = (tile / ntiles_n) * ST_TP;
+    const int n0 = (tile % ntiles_n) * ST_TN;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int grp = h / (nheads / ngroups);
+    const int rows_p = min(ST_TP, headdim - p0);
+    const int cols_n = min(ST_TN, dstate - n0);
+    const int pr0 = warp * 16 + g;
+
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+    const i64 tok_stride_x = (i64)nheads * headdim;
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    const i64 t0 = (i64)c * chunk_size;
+    const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+    const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
+    const float cs_last = dA_cumsum[cb + last];
+    const int seq_last = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
+
+    for (int k0 = 0; k0 <= last; k0 += ST_TK) {
+        const int rows_t = min(ST_TK, last + 1 - k0);
+        __syncthreads();  // the previous stage's fragments have been read
+        if (tid < ST_TK) {
+            float w = 0.0f;
+            if (tid < rows_t) {
+                int l = k0 + tid;
+                bool same = seq_idx == nullptr || seq_idx[(i64)b * seqlen + t0 + l] == seq_last;
+                if (same) w = expf(cs_last - dA_cumsum[cb + l]) * dt_out[cb + l];
+            }
+            ws[tid] = w;
+        }
+        load_block64_tf32<ST_TK, ST_THREADS, false>(
+            xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
+            tok_stride_x, rows_t, rows_p, nullptr, tid);
+        __syncthreads();  // ws is ready
+        load_block64_tf32<ST_TK, ST_THREADS, true>(
+            bs, ST_STRIDE, Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0,
+            tok_stride_b, rows_t, cols_n, ws, tid);
+        __syncthreads();  // both tiles are ready
+#pragma unroll
+        for (int kk = 0; kk < ST_TK / 8; ++kk) {
+            unsigned a[4];
+            load_a_colmajor(a, xs + kk * 8 * ST_STRIDE + warp * 16, ST_STRIDE, g, q);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                unsigned bf[2];
+                load_b_krows(bf, bs + kk * 8 * ST_STRIDE + j * 8, ST_STRIDE, g, q);
+                mma_tf32(acc[j], a, bf);
+            }
+        }
+    }
+
+    float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int pr = pr0 + ((e & 2) ? 8 : 0);
+            int nc = j * 8 + 2 * q + (e & 1);
+            if (pr < rows_p && nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
+        }
+    }
+}
+
+// 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, element e
+// of [headdim, dstate]) (grid: x over the elements, y = heads, z = batch). On entry
+// chunk_states[b, c, h] holds L_c (2a); with S_0 = initial_states (0 when absent):
+//   chunk_states[b, c, h] = S_c,   S_{c+1} = fma(scale_c, S_c, L_c),   final_states = S_nchunks,
+//   scale_c = exp(cs[last_c]) if seq(last_c) == seq(last_{c-1}) (seq(last_{-1}) = 0), else 0,
+// the same fused multiply-add, in the same order, as the CPU reference's state passing. The
+// loads of 8 chunks are issued before their chain is walked.
+#define SP_THREADS 256
+#define SP_UNROLL 8
+extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(
+    const float* __restrict__ dA_cumsum,       // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ initial_states,  // [batch, nheads, headdim, dstate] or null
+    const int* __restrict__ seq_idx,           // [batch, seqlen] or null
+    float* __restrict__ chunk_states,          // [batch, nchunks, nheads, headdim, dstate]
+    float* __restrict__ final_states,          // [batch, nheads, headdim, dstate]
+    int seqlen, int nheads, int headdim, int dstate, int chunk_size, int nchunks)
+{
+    const i64 n = (i64)headdim * dstate;
+    const i64 e = (i64)blockIdx.x * SP_THREADS + threadIdx.x;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    if (e >= n) return;  // no barrier below
+    const i64 bh = (i64)b * nheads + h;
+    float run = initial_states != nullptr ? initial_states[bh * n + e] : 0.0f;
+    const i64 cstride = (i64)nheads * n;  // from one chunk to the next
+    float* p = chunk_states + ((i64)b * nchunks * nheads + h) * n + e;
+    const float* cs_row = dA_cumsum + bh * nchunks * chunk_size;
+    int seq_prev = 0;
+    for (int c0 = 0; c0 < nchunks; c0 += SP_UNROLL) {
+        float own[SP_UNROLL], sc[SP_UNROLL];
+#pragma unroll
+        for (int k = 0; k < SP_UNROLL; ++k) {
+            const int c = c0 + k;
+            own[k] = 0.0f;
+            sc[k] = 0.0f;
+            if (c < nchunks) {
+                own[k] = p[(i64)c * cstride];
+                const i64 t0 = (i64)c * chunk_size;
+                const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+                const int seq_new = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
+                sc[k] = seq_new == seq_prev ? expf(cs_row[t0 + last]) : 0.0f;
+                seq_prev = seq_new;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < SP_UNROLL; ++k) {
+            const int c = c0 + k;
+            if (c < nchunks) {
+                p[(i64)c * cstride] = run;
+                run = fmaf(sc[k], run, own[k]);
+            }
+        }
+    }
+    final_states[bh * n + e] = run;
+}

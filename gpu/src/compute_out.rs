@@ -3,7 +3,10 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
-use crate::shape::{compute_out_smem_bytes, TILE_M, TILE_P};
+use crate::shape::{
+    chunk_cb_smem_bytes, compute_out_smem_bytes, score_tiles, COMPUTE_OUT_CB_SMEM_BYTES, TILE_M,
+    TILE_P,
+};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
 impl Gpu {
@@ -16,6 +19,12 @@ impl Gpu {
     /// The causal matrix is built in 64 x 64 tiles on chip, only for tiles on or below the
     /// diagonal, the exponent evaluated only where `j <= i`. Products in TF32, f32 accumulation.
     /// One block per `(b, chunk, 64 rows, h, 64 headdim columns)`.
+    ///
+    /// Where the outputs hold the scores scratch (chunk sizes 64 to 512, see `docs/gpu.md`):
+    /// first `C B^T` once per (batch, chunk, group) and pair of 64-row tiles on or below the
+    /// diagonal (`ssd_chunk_cb`), then the output kernel that reads those scores and streams
+    /// its tiles through a cp.async double buffer (`ssd_compute_out_cb`); the same sums in the
+    /// same order, so the same bits, as the single kernel (`ssd_compute_out`) used elsewhere.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
@@ -40,6 +49,33 @@ impl Gpu {
             shared_mem_bytes: compute_out_smem_bytes(d.dstate) as u32,
         };
         let stream = &self.stream;
+        if let Some(scores) = outputs.scores.as_mut() {
+            let t = score_tiles(&d, &o);
+            let npairs = t * (t + 1) / 2;
+            let cfg = LaunchConfig {
+                grid_dim: ((nchunks * npairs) as u32, d.ngroups as u32, d.batch as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: chunk_cb_smem_bytes(d.dstate) as u32,
+            };
+            let cb_sizes = [
+                int(d.seqlen),
+                int(d.ngroups),
+                int(d.dstate),
+                int(o.chunk_size),
+                int(nchunks),
+                int(t),
+            ];
+            let mut launch = stream.launch_builder(&self.chunk_cb_fn);
+            launch.arg(&inputs.B).arg(&inputs.C).arg(scores);
+            for s in &cb_sizes {
+                launch.arg(s);
+            }
+            // SAFETY: the argument list matches `ssd_chunk_cb` in kernels/compute_out.cu; the
+            // scratch was sized by `shape::scores_len` for these sizes (which also bounds the
+            // grid), B and C were checked against the sizes, and the shared memory is below
+            // that of `ssd_compute_out`, checked against the device's opt-in limit.
+            unsafe { launch.launch(cfg) }?;
+        }
         let (dskip, _g1) = opt_ptr(inputs.D.as_ref(), stream);
         let (z, _g2) = opt_ptr(inputs.z.as_ref(), stream);
         let (seq, _g3) = opt_ptr(inputs.seq_idx.as_ref(), stream);
@@ -56,6 +92,35 @@ impl Gpu {
             d_per_channel,
             has_initial_states,
         ];
+        if let Some(scores) = outputs.scores.as_ref() {
+            let cfg = LaunchConfig {
+                shared_mem_bytes: COMPUTE_OUT_CB_SMEM_BYTES as u32,
+                ..cfg
+            };
+            let tmax = int(score_tiles(&d, &o));
+            let mut launch = stream.launch_builder(&self.compute_out_cb_fn);
+            launch
+                .arg(&inputs.x)
+                .arg(&inputs.C)
+                .arg(&dskip)
+                .arg(&z)
+                .arg(&outputs.dt)
+                .arg(&outputs.dA_cumsum)
+                .arg(&outputs.chunk_states)
+                .arg(&seq)
+                .arg(scores)
+                .arg(&mut outputs.out);
+            for s in &sizes {
+                launch.arg(s);
+            }
+            launch.arg(&tmax);
+            // SAFETY: the argument list matches `ssd_compute_out_cb` in kernels/compute_out.cu,
+            // every buffer was checked against the sizes, the scores were written by
+            // `ssd_chunk_cb` just before on this stream, and 72 KB of dynamic shared memory
+            // fit every device of compute capability 8.0 or newer (opt-in raised at load).
+            unsafe { launch.launch(cfg) }?;
+            return Ok(());
+        }
         let mut launch = stream.launch_builder(&self.compute_out_fn);
         launch
             .arg(&inputs.x)

@@ -19,6 +19,11 @@ impl Gpu {
     /// (0 before chunk 0), else 0. `final_states = S_nchunks`. One block per
     /// `(b, h, 64 x 64 tile of [headdim, dstate])`, walking the chunks in order.
     ///
+    /// By default in two launches for parallelism: every chunk's own product in parallel
+    /// (`ssd_chunk_state_local`), then one thread per state element walking the chunks
+    /// (`ssd_state_passing`, `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU reference); the
+    /// fused sequential kernel (`ssd_fwd_pass_state`) with `SSD_GPU_LEGACY=1`.
+    ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
     pub fn fwd_pass_state(
@@ -31,11 +36,6 @@ impl Gpu {
         let o = inputs.options;
         let nchunks = d.nchunks(o.chunk_size);
         let tiles = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(TILE_N);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, d.nheads as u32, d.batch as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let stream = &self.stream;
         let (init, _g1) = opt_ptr(inputs.initial_states.as_ref(), stream);
         let (seq, _g2) = opt_ptr(inputs.seq_idx.as_ref(), stream);
@@ -48,6 +48,66 @@ impl Gpu {
             int(o.chunk_size),
             int(nchunks),
         ];
+        let split_grid = nchunks
+            .checked_mul(tiles)
+            .filter(|&g| g <= i32::MAX as usize);
+        if let (false, Some(gx)) = (self.legacy, split_grid) {
+            // 2a: every chunk's own state, in parallel.
+            let cfg = LaunchConfig {
+                grid_dim: (gx as u32, d.nheads as u32, d.batch as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = stream.launch_builder(&self.chunk_state_local_fn);
+            launch
+                .arg(&inputs.x)
+                .arg(&inputs.B)
+                .arg(&outputs.dt)
+                .arg(&outputs.dA_cumsum)
+                .arg(&seq)
+                .arg(&mut outputs.chunk_states);
+            for s in &sizes {
+                launch.arg(s);
+            }
+            // SAFETY: the argument list matches `ssd_chunk_state_local` in
+            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above.
+            unsafe { launch.launch(cfg) }?;
+            // 2b: the sequential pass, one thread per state element.
+            let n = d.headdim * d.dstate;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(256) as u32, d.nheads as u32, d.batch as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let pass_sizes = [
+                int(d.seqlen),
+                int(d.nheads),
+                int(d.headdim),
+                int(d.dstate),
+                int(o.chunk_size),
+                int(nchunks),
+            ];
+            let mut launch = stream.launch_builder(&self.state_passing_fn);
+            launch
+                .arg(&outputs.dA_cumsum)
+                .arg(&init)
+                .arg(&seq)
+                .arg(&mut outputs.chunk_states)
+                .arg(&mut outputs.final_states);
+            for s in &pass_sizes {
+                launch.arg(s);
+            }
+            // SAFETY: the argument list matches `ssd_state_passing` in kernels/fwd_pass_state.cu;
+            // buffers checked against the sizes; grid x <= ceil(headdim * dstate / 256), small
+            // since `shape::check` bounds headdim by 65535 * 64 and dstate by 256.
+            unsafe { launch.launch(cfg) }?;
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, d.nheads as u32, d.batch as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut launch = stream.launch_builder(&self.fwd_pass_state_fn);
         launch
             .arg(&inputs.x)

@@ -22,6 +22,13 @@ pub struct Gpu {
     pub(crate) chunk_cumsum_fn: CudaFunction,
     pub(crate) fwd_pass_state_fn: CudaFunction,
     pub(crate) compute_out_fn: CudaFunction,
+    pub(crate) chunk_state_local_fn: CudaFunction,
+    pub(crate) state_passing_fn: CudaFunction,
+    pub(crate) chunk_cb_fn: CudaFunction,
+    pub(crate) compute_out_cb_fn: CudaFunction,
+    /// `SSD_GPU_LEGACY=1` at [`Gpu::new`]: the first kernels alone (the fused sequential state
+    /// pass and the output kernel that computes its own scores), for comparison or fallback.
+    pub(crate) legacy: bool,
     target: &'static str,
     name: String,
     max_smem_optin: usize,
@@ -75,13 +82,20 @@ impl Gpu {
         let chunk_cumsum_fn = module.load_function(kernels::CHUNK_CUMSUM)?;
         let fwd_pass_state_fn = module.load_function(kernels::FWD_PASS_STATE)?;
         let compute_out_fn = module.load_function(kernels::COMPUTE_OUT)?;
+        let chunk_state_local_fn = module.load_function(kernels::CHUNK_STATE_LOCAL)?;
+        let state_passing_fn = module.load_function(kernels::STATE_PASSING)?;
+        let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
+        let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
-        compute_out_fn.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            max_smem_optin as i32,
-        )?;
+        for f in [&compute_out_fn, &chunk_cb_fn, &compute_out_cb_fn] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                max_smem_optin as i32,
+            )?;
+        }
+        let legacy = std::env::var("SSD_GPU_LEGACY").is_ok_and(|v| v == "1");
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
         let stream = ctx.default_stream();
@@ -90,6 +104,11 @@ impl Gpu {
             chunk_cumsum_fn,
             fwd_pass_state_fn,
             compute_out_fn,
+            chunk_state_local_fn,
+            state_passing_fn,
+            chunk_cb_fn,
+            compute_out_cb_fn,
+            legacy,
             target,
             name,
             max_smem_optin,
@@ -149,6 +168,10 @@ impl Gpu {
             dA_cumsum: alloc(l.cumsum)?,
             dt: alloc(l.cumsum)?,
             chunk_states: alloc(l.chunk_states)?,
+            scores: match shape::scores_len(dims, options) {
+                Some(n) if !self.legacy => Some(alloc(n)?),
+                _ => None,
+            },
         })
     }
 
@@ -285,6 +308,10 @@ pub struct DeviceOutputs {
     pub dt: CudaSlice<f32>,
     /// `[batch, nchunks, nheads, headdim, dstate]`: the state entering each chunk.
     pub chunk_states: CudaSlice<f32>,
+    /// Scratch of the fast output path: the scores `C B^T` per (batch, chunk, group, pair of
+    /// 64-row tiles on or below the diagonal), `[batch, nchunks, ngroups, npairs, 64, 64]`;
+    /// `None` where that path does not apply ([`shape::scores_len`]).
+    pub(crate) scores: Option<CudaSlice<f32>>,
 }
 
 impl DeviceOutputs {

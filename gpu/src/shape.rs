@@ -132,6 +132,46 @@ pub fn check(dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
     })
 }
 
+/// Largest scratch of the shared scores (`scores_len`), in floats: 256 Mi (1 GiB).
+const MAX_SCORES: usize = 1 << 28;
+
+/// Tiles of 64 rows per chunk that can hold real tokens: `ceil(min(chunk_size, seqlen) / 64)`.
+pub(crate) fn score_tiles(dims: &Dims, options: &Options) -> usize {
+    options.chunk_size.min(dims.seqlen).div_ceil(TILE_M)
+}
+
+/// Length of the shared-scores scratch of the fast output path (`ssd_chunk_cb` +
+/// `ssd_compute_out_cb`), or `None` where that path does not apply: `chunk_size` outside
+/// 64..=512 (below 64 a 64 x 64 score tile per chunk would be mostly padding; above 512 the
+/// pairs of tiles grow quadratically), a scratch above 1 GiB, or a launch grid that overflows.
+/// Elsewhere the output kernel computes its own scores (`ssd_compute_out`).
+pub(crate) fn scores_len(dims: &Dims, options: &Options) -> Option<usize> {
+    let q = options.chunk_size;
+    if !(64..=512).contains(&q) {
+        return None;
+    }
+    let t = score_tiles(dims, options);
+    let npairs = t * (t + 1) / 2;
+    let nchunks = dims.seqlen.div_ceil(q);
+    let grid_x = nchunks.checked_mul(npairs)?;
+    if grid_x > i32::MAX as usize || dims.ngroups > 65535 {
+        return None;
+    }
+    let n = [dims.batch, nchunks, dims.ngroups, npairs, 64 * 64]
+        .iter()
+        .try_fold(1usize, |acc, &v| acc.checked_mul(v))?;
+    (n <= MAX_SCORES).then_some(n)
+}
+
+/// Dynamic shared memory of `ssd_chunk_cb` (two 64-row tiles of `C` and `B`), in bytes.
+pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
+    2 * TILE_M * (dstate.div_ceil(64) * 64 + 4) * 4
+}
+
+/// Dynamic shared memory of `ssd_compute_out_cb` (layout in `kernels/compute_out.cu`), in
+/// bytes: two buffers of `64 * 68 + 64 * 72 + 3 * 64` floats, then 128.
+pub(crate) const COMPUTE_OUT_CB_SMEM_BYTES: usize = (2 * (64 * 68 + 64 * 72 + 3 * 64) + 128) * 4;
+
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
 pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {

@@ -60,7 +60,15 @@ fn nvrtc_compiles_the_kernels_for_every_target() {
     }
     for target in ["sm_90a", "compute_80"] {
         let ptx = kernels::ptx_text(target).unwrap_or_else(|e| panic!("{e}"));
-        for entry in ["ssd_chunk_cumsum", "ssd_fwd_pass_state", "ssd_compute_out"] {
+        for entry in [
+            "ssd_chunk_cumsum",
+            "ssd_fwd_pass_state",
+            "ssd_compute_out",
+            "ssd_chunk_state_local",
+            "ssd_state_passing",
+            "ssd_chunk_cb",
+            "ssd_compute_out_cb",
+        ] {
             assert!(
                 ptx.contains(&format!(".entry {entry}")),
                 "{target}: {entry} missing"
