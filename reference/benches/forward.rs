@@ -11,6 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use ssd_reference::chunked::Schedule;
 use ssd_reference::random::{random_problem, ProblemSpec};
 use ssd_reference::{
     chunk_cumsum, chunked, compute_out, fwd_pass_state, naive, Dims, MatmulPrecision, Problem, Real,
@@ -90,6 +91,11 @@ fn bench<T: Real>(label: &str, p: &Problem<T>, repeats: usize) {
     report(&format!("chunked {label} tf32"), repeats, || {
         chunked::forward(p, MatmulPrecision::Tf32)
     });
+    for schedule in [Schedule::Staged, Schedule::Fused] {
+        report(&format!("chunked {label} {schedule:?}"), repeats, || {
+            chunked::forward_with(p, MatmulPrecision::Native, schedule)
+        });
+    }
     let cs = chunk_cumsum::chunk_cumsum(p);
     let local = fwd_pass_state::chunk_state(p, &cs, MatmulPrecision::Native);
     let st = fwd_pass_state::fwd_pass_state(p, &cs, MatmulPrecision::Native);

@@ -31,14 +31,14 @@ use ndarray::{Array4, Array5, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
-use crate::fwd_pass_state::check_cumsum;
+use crate::flat::Flat;
 use crate::gemm::{gemm, Mat, Tri};
 use crate::problem::gate;
 use crate::{MatmulPrecision, Problem, Real};
 
 /// Per-thread work buffers of [`compute_out`], reused from task to task.
 #[derive(Default)]
-struct Scratch<T> {
+pub(crate) struct OutScratch<T> {
     seq: Vec<i64>,
     c_copy: Vec<T>,
     b_t: Vec<T>,
@@ -46,7 +46,10 @@ struct Scratch<T> {
     lmat: Vec<T>,
     s_t: Vec<T>,
     y: Vec<T>,
-    x_copy: Vec<T>,
+    /// `x_c` of every head of the group (rounded under TF32): `[hpg, L, headdim]`.
+    pub(crate) x_copy: Vec<T>,
+    /// The `L` for which `lmat` holds zeros above the diagonal.
+    lmat_len: usize,
     e: Vec<T>,
     d_skip: Vec<T>,
 }
@@ -61,8 +64,8 @@ pub(crate) fn scratch<T: Real>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 }
 
 /// `dst[k * rows + r] = src[off + r * rs + k]` for `r < rows`, `k < cols`: the transpose of a
-/// `rows x cols` block with row stride `rs`, written in 8-row bands so that reads and writes
-/// both stay within a few cache lines.
+/// `rows x cols` block with row stride `rs`, by 8 x 8 tiles (contiguous 8-wide loads and
+/// stores; the edges entry by entry).
 pub(crate) fn transpose_into<T: Real>(
     (rows, cols): (usize, usize),
     src: &[T],
@@ -70,14 +73,62 @@ pub(crate) fn transpose_into<T: Real>(
     rs: usize,
     dst: &mut [T],
 ) {
-    for r0 in (0..rows).step_by(8) {
-        let r1 = (r0 + 8).min(rows);
-        for k in 0..cols {
-            let out = &mut dst[k * rows + r0..k * rows + r1];
-            for (o, r) in out.iter_mut().zip(r0..r1) {
-                *o = src[off + r * rs + k];
-            }
+    const TB: usize = 8;
+    let dst = &mut dst[..rows * cols];
+    let (full_r, full_k) = (rows / TB * TB, cols / TB * TB);
+    for r0 in (0..full_r).step_by(TB) {
+        for k0 in (0..full_k).step_by(TB) {
+            transpose_tile::<T, TB>(src, off + r0 * rs + k0, rs, dst, k0 * rows + r0, rows);
         }
+    }
+    for r in 0..rows {
+        let k_start = if r < full_r { full_k } else { 0 };
+        for k in k_start..cols {
+            dst[k * rows + r] = src[off + r * rs + k];
+        }
+    }
+}
+
+/// One `N x N` tile: `dst[d_off + j * d_rs + i] = src[s_off + i * s_rs + j]`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn transpose_tile<T: Real, const N: usize>(
+    src: &[T],
+    s_off: usize,
+    s_rs: usize,
+    dst: &mut [T],
+    d_off: usize,
+    d_rs: usize,
+) {
+    let mut t = [[T::zero(); N]; N];
+    for i in 0..N {
+        let row: &[T; N] = src[s_off + i * s_rs..][..N].try_into().expect("N entries");
+        for j in 0..N {
+            t[j][i] = row[j];
+        }
+    }
+    for j in 0..N {
+        let out: &mut [T; N] = (&mut dst[d_off + j * d_rs..][..N])
+            .try_into()
+            .expect("N entries");
+        *out = t[j];
+    }
+}
+
+/// `dst = x_c` (`L x headdim`, row-major) of row `b`, chunk `c`, head `h`, rounded to TF32
+/// under [`MatmulPrecision::Tf32`]: a contiguous copy (rows of `x` are `nheads * headdim`
+/// apart; used in place they would compete for the same cache sets).
+pub(crate) fn copy_x_c<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize), dst: &mut [T]) {
+    let p = f.p;
+    let hd = p.dims().headdim;
+    let t0 = c * p.options().chunk_size;
+    let x_flat = f.x();
+    for (row, j) in dst.chunks_exact_mut(hd).zip(0..) {
+        let off = f.x_off(b, t0 + j, h);
+        row.copy_from_slice(&x_flat[off..off + hd]);
+    }
+    if f.tf32 {
+        round_all(dst);
     }
 }
 
@@ -88,9 +139,10 @@ pub(crate) fn round_all<T: Real>(v: &mut [T]) {
 
 /// `out`: `[batch, seqlen, nheads, headdim]` (see the module documentation for the formulas).
 ///
-/// Parallel over (batch, chunk, group); the heads of a group share `G = C_c B_c^T`. Only the
-/// lower triangle of `G` is computed and only the lower triangle of `Lmat` enters the product
-/// with `x_c` (in register tiles of 4 rows: the skipped products are exact zeros).
+/// Parallel over (batch, chunk) and, nested, over groups; the heads of a group share `G = C_c
+/// B_c^T`. Only the lower triangle of `G` is computed and only the lower triangle of `Lmat`
+/// enters the product with `x_c` (in register tiles of 4 rows: the skipped products are exact
+/// zeros).
 ///
 /// # Panics
 /// If `cumsum` or `chunk_states` do not have the shapes `p` implies.
@@ -105,37 +157,16 @@ pub fn compute_out<T: Real>(
     let cs = p.options().chunk_size;
     let hpg = d.heads_per_group();
     let (hd, ds) = (d.headdim, d.dstate);
-    check_cumsum(p, cumsum);
+    let f = Flat::new(p, cumsum, precision);
     assert_eq!(
         chunk_states.shape(),
         &[d.batch, nc, d.nheads, hd, ds],
         "chunk_states shape"
     );
-    let i = p.inputs();
-    let tf32 = precision == MatmulPrecision::Tf32;
-    let (x_std, b_std, c_std) = (
-        i.x.as_standard_layout(),
-        i.B.as_standard_layout(),
-        i.C.as_standard_layout(),
-    );
-    let z_std = i.z.as_ref().map(|z| z.as_standard_layout());
     let states_std = chunk_states.as_standard_layout();
-    let flat = "standard layout";
-    let (x_flat, b_flat, c_flat) = (
-        x_std.as_slice().expect(flat),
-        b_std.as_slice().expect(flat),
-        c_std.as_slice().expect(flat),
-    );
-    let z_flat = z_std.as_ref().map(|z| z.as_slice().expect(flat));
-    let states_flat = states_std.as_slice().expect(flat);
-    let cum_std = cumsum.dA_cumsum.as_standard_layout();
-    let dt_std = cumsum.dt.as_standard_layout();
-    let (cum_flat, dt_flat) = (
-        cum_std.as_slice().expect(flat),
-        dt_std.as_slice().expect(flat),
-    );
+    let states_flat = states_std.as_slice().expect("standard layout");
 
-    let mut out = Array4::<T>::zeros((d.batch, d.seqlen, d.nheads, hd));
+    let mut out: Array4<T> = crate::par_zeros((d.batch, d.seqlen, d.nheads, hd));
     // Tasks per (b, c): the chunk's rows of C, B, x and out are contiguous blocks, streamed
     // once; inside, (nested) tasks per group: out[b, t0..t0 + L, heads of g, :].
     let chunks: Vec<ArrayViewMut3<T>> = out
@@ -143,7 +174,6 @@ pub fn compute_out<T: Real>(
         .into_outer_iter_mut()
         .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(0), cs))
         .collect();
-
     chunks
         .into_par_iter()
         .enumerate()
@@ -153,141 +183,160 @@ pub fn compute_out<T: Real>(
                 .enumerate()
                 .map(move |(g, block)| (bc * d.ngroups + g, block))
         })
-        .for_each_init(Scratch::default, |sc, (bcg, mut block)| {
+        .for_each_init(OutScratch::default, |sc, (bcg, mut block)| {
             let (b, c, g) = (
                 bcg / (nc * d.ngroups),
                 (bcg / d.ngroups) % nc,
                 bcg % d.ngroups,
             );
-            let t0 = c * cs;
-            let l = p.chunk_len(c);
-            let seq = &mut sc.seq;
-            seq.clear();
-            seq.extend((t0..t0 + l).map(|t| p.seq_idx_at(b, t)));
-            let seq_prev = if c == 0 { 0 } else { p.seq_idx_at(b, t0 - 1) };
-            // Contiguous (rounded) copies of the operands: C_c (L x dstate), B_c^T (dstate x
-            // L), and per head S_c^T and x_c. In place, rows nheads * headdim or ngroups *
-            // dstate apart would compete for the same cache sets.
-            let bc_off = ((b * d.seqlen + t0) * d.ngroups + g) * ds;
-            let bc_rs = d.ngroups * ds;
-            let c_copy = scratch(&mut sc.c_copy, l * ds);
-            for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
-                dst.copy_from_slice(&c_flat[bc_off + j * bc_rs..][..ds]);
-            }
-            let b_t = scratch(&mut sc.b_t, ds * l);
-            transpose_into((l, ds), b_flat, bc_off, bc_rs, b_t);
-            if tf32 {
-                round_all(c_copy);
-                round_all(b_t);
-            }
-            let c_c = Mat::rows(c_copy, ds);
-            // G = C_c B_c^T, on and below the diagonal (the rest is never read).
-            let gm = scratch(&mut sc.gm, l * l);
-            gemm(
-                (l, l, ds),
-                c_c,
-                Mat::rows(b_t, l),
-                gm,
-                l,
-                false,
-                Tri::LowerC,
+            // the states entering chunk c of the group's heads: contiguous [hpg, hd, ds]
+            let off = ((b * nc + c) * d.nheads + g * hpg) * hd * ds;
+            out_block(
+                &f,
+                (b, c, g),
+                &states_flat[off..off + hpg * hd * ds],
+                &mut block,
+                sc,
             );
-
-            // Lmat stays 0 above the diagonal for all heads of the group.
-            let lmat = scratch(&mut sc.lmat, l * l);
-            lmat.fill(T::zero());
-            let s_t = scratch(&mut sc.s_t, ds * hd);
-            let y = scratch(&mut sc.y, l * hd);
-            let x_copy = scratch(&mut sc.x_copy, l * hd);
-            let e = scratch(&mut sc.e, l);
-            let x_rs = d.nheads * hd;
-            for hh in 0..hpg {
-                let h = g * hpg + hh;
-                let cd_off = ((b * d.nheads + h) * nc + c) * cs;
-                let cum = &cum_flat[cd_off..cd_off + l];
-                let dt = &dt_flat[cd_off..cd_off + l];
-                // Carried state: Y = diag(e) (C_c S_c^T), S_c^T as a (rounded) copy.
-                let s_off = ((b * nc + c) * d.nheads + h) * hd * ds;
-                transpose_into((hd, ds), states_flat, s_off, ds, s_t);
-                if tf32 {
-                    round_all(s_t);
-                }
-                gemm(
-                    (l, hd, ds),
-                    c_c,
-                    Mat::rows(s_t, hd),
-                    y,
-                    hd,
-                    false,
-                    Tri::Full,
-                );
-                e.copy_from_slice(cum);
-                T::exp_all(e);
-                for ((row, &ev), &sq) in y.chunks_exact_mut(hd).zip(e.iter()).zip(seq.iter()) {
-                    let ev = if sq == seq_prev { ev } else { T::zero() };
-                    row.iter_mut().for_each(|v| *v = *v * ev);
-                }
-                // Lmat: causal (j <= i), same sequence, decayed; exp only where j <= i.
-                for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
-                    let lrow = &mut lrow[..=r];
-                    let grow = &gm[r * l..=r * l + r];
-                    for (lv, &ck) in lrow.iter_mut().zip(cum) {
-                        *lv = cum[r] - ck;
-                    }
-                    T::exp_all(lrow);
-                    for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter())
-                    {
-                        *lv = if sk == seq[r] {
-                            gv * *lv * dk
-                        } else {
-                            T::zero()
-                        };
-                    }
-                    if tf32 {
-                        round_all(lrow);
-                    }
-                }
-                // Y += Lmat x_c
-                let x_off = ((b * d.seqlen + t0) * d.nheads + h) * hd;
-                for (dst, j) in x_copy.chunks_exact_mut(hd).zip(0..) {
-                    dst.copy_from_slice(&x_flat[x_off + j * x_rs..][..hd]);
-                }
-                if tf32 {
-                    round_all(x_copy);
-                }
-                gemm(
-                    (l, hd, l),
-                    Mat::rows(lmat, l),
-                    Mat::rows(x_copy, hd),
-                    y,
-                    hd,
-                    true,
-                    Tri::LowerA,
-                );
-                // D skip and gate, into out.
-                let d_skip = scratch(&mut sc.d_skip, hd);
-                d_skip
-                    .iter_mut()
-                    .enumerate()
-                    .for_each(|(pp, v)| *v = p.d_skip(h, pp));
-                let mut o = block.index_axis_mut(Axis(1), hh);
-                for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate()
-                {
-                    let off = x_off + r * x_rs;
-                    let x_row = &x_flat[off..off + hd];
-                    let orow = orow.as_slice_mut().expect("rows of out are contiguous");
-                    for (((ov, &yv), &dv), &xv) in
-                        orow.iter_mut().zip(yrow).zip(d_skip.iter()).zip(x_row)
-                    {
-                        *ov = yv + dv * xv;
-                    }
-                    if let Some(z) = z_flat {
-                        for (ov, &zv) in orow.iter_mut().zip(&z[off..off + hd]) {
-                            *ov = gate(*ov, zv);
-                        }
-                    }
-                }
-            }
         });
     out
+}
+
+/// The output block `out[b, t0..t0 + L, heads of group g, :]` of chunk `c` (see the module
+/// documentation), given the states entering the chunk of the group's heads (`[hpg, headdim,
+/// dstate]`, row-major).
+pub(crate) fn out_block<T: Real>(
+    f: &Flat<'_, T>,
+    (b, c, g): (usize, usize, usize),
+    states: &[T],
+    block: &mut ArrayViewMut3<'_, T>,
+    sc: &mut OutScratch<T>,
+) {
+    let p = f.p;
+    let d = *p.dims();
+    let (hd, ds) = (d.headdim, d.dstate);
+    let hpg = d.heads_per_group();
+    let t0 = c * p.options().chunk_size;
+    let l = p.chunk_len(c);
+    let tf32 = f.tf32;
+    let seq = &mut sc.seq;
+    seq.clear();
+    seq.extend((t0..t0 + l).map(|t| p.seq_idx_at(b, t)));
+    let seq_prev = if c == 0 { 0 } else { p.seq_idx_at(b, t0 - 1) };
+    // Contiguous (rounded) copies of the operands: C_c (L x dstate), B_c^T (dstate x L), and
+    // per head S_c^T and x_c. In place, rows nheads * headdim or ngroups * dstate apart would
+    // compete for the same cache sets.
+    let bc_off = f.bc_off(b, t0, g);
+    let bc_rs = d.ngroups * ds;
+    let c_copy = scratch(&mut sc.c_copy, l * ds);
+    for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
+        dst.copy_from_slice(&f.c()[bc_off + j * bc_rs..][..ds]);
+    }
+    let b_t = scratch(&mut sc.b_t, ds * l);
+    transpose_into((l, ds), f.b(), bc_off, bc_rs, b_t);
+    if tf32 {
+        round_all(c_copy);
+        round_all(b_t);
+    }
+    let c_c = Mat::rows(c_copy, ds);
+    // G = C_c B_c^T, on and below the diagonal (the rest is never read).
+    let gm = scratch(&mut sc.gm, l * l);
+    gemm(
+        (l, l, ds),
+        c_c,
+        Mat::rows(b_t, l),
+        gm,
+        l,
+        false,
+        Tri::LowerC,
+    );
+
+    // Lmat is only ever written on and below the diagonal: zero it when L changes.
+    let lmat = scratch(&mut sc.lmat, l * l);
+    if sc.lmat_len != l {
+        lmat.fill(T::zero());
+        sc.lmat_len = l;
+    }
+    let s_t = scratch(&mut sc.s_t, ds * hd);
+    let y = scratch(&mut sc.y, l * hd);
+    let x_copies = scratch(&mut sc.x_copy, hpg * l * hd);
+    let e = scratch(&mut sc.e, l);
+    let d_skip = scratch(&mut sc.d_skip, hd);
+    let x_rs = d.nheads * hd;
+    let x_flat = f.x();
+    for hh in 0..hpg {
+        let h = g * hpg + hh;
+        let (cum, dt) = f.cum_dt(b, h, c);
+        // Carried state: Y = diag(e) (C_c S_c^T), S_c^T as a (rounded) copy.
+        transpose_into((hd, ds), states, hh * hd * ds, ds, s_t);
+        if tf32 {
+            round_all(s_t);
+        }
+        gemm(
+            (l, hd, ds),
+            c_c,
+            Mat::rows(s_t, hd),
+            y,
+            hd,
+            false,
+            Tri::Full,
+        );
+        e.copy_from_slice(cum);
+        T::exp_all(e);
+        for ((row, &ev), &sq) in y.chunks_exact_mut(hd).zip(e.iter()).zip(seq.iter()) {
+            let ev = if sq == seq_prev { ev } else { T::zero() };
+            row.iter_mut().for_each(|v| *v = *v * ev);
+        }
+        // Lmat: causal (j <= i), same sequence, decayed; exp only where j <= i.
+        for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
+            let lrow = &mut lrow[..=r];
+            let grow = &gm[r * l..=r * l + r];
+            for (lv, &ck) in lrow.iter_mut().zip(cum) {
+                *lv = cum[r] - ck;
+            }
+            T::exp_all(lrow);
+            for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter()) {
+                *lv = if sk == seq[r] {
+                    gv * *lv * dk
+                } else {
+                    T::zero()
+                };
+            }
+            if tf32 {
+                round_all(lrow);
+            }
+        }
+        // Y += Lmat x_c
+        let x_off = f.x_off(b, t0, h);
+        let x_copy = &mut x_copies[hh * l * hd..(hh + 1) * l * hd];
+        copy_x_c(f, (b, c, h), x_copy);
+        gemm(
+            (l, hd, l),
+            Mat::rows(lmat, l),
+            Mat::rows(x_copy, hd),
+            y,
+            hd,
+            true,
+            Tri::LowerA,
+        );
+        // D skip and gate, into out.
+        d_skip
+            .iter_mut()
+            .enumerate()
+            .for_each(|(pp, v)| *v = p.d_skip(h, pp));
+        let mut o = block.index_axis_mut(Axis(1), hh);
+        for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate() {
+            let off = x_off + r * x_rs;
+            let x_row = &x_flat[off..off + hd];
+            let orow = orow.as_slice_mut().expect("rows of out are contiguous");
+            for (((ov, &yv), &dv), &xv) in orow.iter_mut().zip(yrow).zip(d_skip.iter()).zip(x_row) {
+                *ov = yv + dv * xv;
+            }
+            if let Some(z) = f.z() {
+                for (ov, &zv) in orow.iter_mut().zip(&z[off..off + hd]) {
+                    *ov = gate(*ov, zv);
+                }
+            }
+        }
+    }
 }

@@ -39,7 +39,8 @@ use ndarray::{s, Array4, Array5, ArrayView2, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
-use crate::compute_out::{round_all, scratch};
+use crate::compute_out::{copy_x_c, round_all, scratch};
+use crate::flat::Flat;
 use crate::gemm::{gemm, Mat, Tri};
 use crate::{MatmulPrecision, Problem, Real};
 
@@ -80,83 +81,120 @@ pub fn chunk_state<T: Real>(
 ) -> Array5<T> {
     let d = *p.dims();
     let nc = p.nchunks();
-    let cs = p.options().chunk_size;
-    check_cumsum(p, cumsum);
-    let i = p.inputs();
     let (hd, ds) = (d.headdim, d.dstate);
-    let mut states = Array5::<T>::zeros((d.batch, nc, d.nheads, hd, ds));
-    let tf32 = precision == MatmulPrecision::Tf32;
-    let x_std = i.x.as_standard_layout();
-    let x_flat = x_std.as_slice().expect("standard layout");
-    let b_std = i.B.as_standard_layout();
-    let b_flat = b_std.as_slice().expect("standard layout");
+    let f = Flat::new(p, cumsum, precision);
+    let mut states: Array5<T> = crate::par_zeros((d.batch, nc, d.nheads, hd, ds));
     states
         .as_slice_mut()
         .expect("fresh array")
         .par_chunks_mut(hd * ds)
         .enumerate()
-        .for_each_init(
-            || (Vec::new(), Vec::new(), Vec::new()),
-            |(w, wb, x_c), (bch, out)| {
-                let (b, c, h) = (bch / (nc * d.nheads), (bch / d.nheads) % nc, bch % d.nheads);
-                let g = d.group_of_head(h);
-                let t0 = c * cs;
-                let l = p.chunk_len(c);
-                let cum = cumsum.dA_cumsum.slice(s![b, h, c, ..]);
-                let dt = cumsum.dt.slice(s![b, h, c, ..]);
-                let cs_last = cum[l - 1];
-                let seq_last = p.seq_idx_at(b, t0 + l - 1);
-                // w_j = exp(cs_last - cs_j) * dt'_j (0 for another sequence)
-                let w = scratch(w, l);
-                for (wj, &c) in w.iter_mut().zip(cum.iter()) {
-                    *wj = cs_last - c;
-                }
-                T::exp_all(w);
-                // diag(w) B_c, L x dstate
-                let wb = scratch(wb, l * ds);
-                for (j, row) in wb.chunks_exact_mut(ds).enumerate() {
-                    let wj = if p.seq_idx_at(b, t0 + j) == seq_last {
-                        w[j] * dt[j]
-                    } else {
-                        T::zero()
-                    };
-                    let off = ((b * d.seqlen + t0 + j) * d.ngroups + g) * ds;
-                    for (o, &v) in row.iter_mut().zip(&b_flat[off..off + ds]) {
-                        *o = v * wj;
-                    }
-                }
-                if tf32 {
-                    round_all(wb);
-                }
-                // x_c^T: entry (p, j) = x_c[j, p], from a contiguous (rounded) copy of x_c (rows
-                // of x are nheads * headdim apart: in place they would compete for the same
-                // cache sets).
-                let x_off = ((b * d.seqlen + t0) * d.nheads + h) * hd;
-                let x_c = scratch(x_c, l * hd);
-                for (dst, j) in x_c.chunks_exact_mut(hd).zip(0..) {
-                    dst.copy_from_slice(&x_flat[x_off + j * d.nheads * hd..][..hd]);
-                }
-                if tf32 {
-                    round_all(x_c);
-                }
-                let xt = Mat {
-                    data: x_c,
-                    off: 0,
-                    rs: 1,
-                    cs: hd,
-                };
-                gemm(
-                    (hd, ds, l),
-                    xt,
-                    Mat::rows(wb, ds),
-                    out,
-                    ds,
-                    false,
-                    Tri::Full,
-                );
-            },
-        );
+        .for_each_init(StateScratch::default, |sc, (bch, out)| {
+            let (b, c, h) = (bch / (nc * d.nheads), (bch / d.nheads) % nc, bch % d.nheads);
+            local_state(&f, (b, c, h), sc, out);
+        });
     states
+}
+
+/// Work buffers of [`local_state`], reused from task to task.
+#[derive(Default)]
+pub(crate) struct StateScratch<T> {
+    w: Vec<T>,
+    wb: Vec<T>,
+    x_c: Vec<T>,
+}
+
+/// `out = states_c` (`headdim x dstate`, row-major) for row `b`, chunk `c`, head `h`.
+pub(crate) fn local_state<T: Real>(
+    f: &Flat<'_, T>,
+    (b, c, h): (usize, usize, usize),
+    sc: &mut StateScratch<T>,
+    out: &mut [T],
+) {
+    let l = f.p.chunk_len(c);
+    let hd = f.p.dims().headdim;
+    let mut x_c = std::mem::take(&mut sc.x_c);
+    let x = scratch(&mut x_c, l * hd);
+    copy_x_c(f, (b, c, h), x);
+    local_state_with_x(f, (b, c, h), x, sc, out);
+    sc.x_c = x_c;
+}
+
+/// [`local_state`] given `x_c` as [`copy_x_c`] makes it.
+pub(crate) fn local_state_with_x<T: Real>(
+    f: &Flat<'_, T>,
+    (b, c, h): (usize, usize, usize),
+    x_c: &[T],
+    sc: &mut StateScratch<T>,
+    out: &mut [T],
+) {
+    let p = f.p;
+    let d = *p.dims();
+    let (hd, ds) = (d.headdim, d.dstate);
+    let g = d.group_of_head(h);
+    let t0 = c * p.options().chunk_size;
+    let l = p.chunk_len(c);
+    let (cum, dt) = f.cum_dt(b, h, c);
+    let seq_last = p.seq_idx_at(b, t0 + l - 1);
+    // w_j = exp(cs_last - cs_j) * dt'_j (0 for another sequence)
+    let w = scratch(&mut sc.w, l);
+    for (wj, &cj) in w.iter_mut().zip(cum) {
+        *wj = cum[l - 1] - cj;
+    }
+    T::exp_all(w);
+    // diag(w) B_c, L x dstate
+    let wb = scratch(&mut sc.wb, l * ds);
+    let b_flat = f.b();
+    for (j, row) in wb.chunks_exact_mut(ds).enumerate() {
+        let wj = if p.seq_idx_at(b, t0 + j) == seq_last {
+            w[j] * dt[j]
+        } else {
+            T::zero()
+        };
+        let off = f.bc_off(b, t0 + j, g);
+        for (o, &v) in row.iter_mut().zip(&b_flat[off..off + ds]) {
+            *o = v * wj;
+        }
+    }
+    if f.tf32 {
+        round_all(wb);
+    }
+    // x_c^T: entry (p, j) = x_c[j, p]
+    let xt = Mat {
+        data: x_c,
+        off: 0,
+        rs: 1,
+        cs: hd,
+    };
+    gemm(
+        (hd, ds, l),
+        xt,
+        Mat::rows(wb, ds),
+        out,
+        ds,
+        false,
+        Tri::Full,
+    );
+}
+
+/// The decay applied to the state entering chunk `c` on its way out: `exp(dA_cumsum[b, h, c,
+/// chunk_size - 1])`, or 0 when `seq_idx` at the chunk's last valid token differs from
+/// `seq_prev` (that of the previous chunk's last token, 0 for `c = 0`). Returns it with the new
+/// `seq_prev`.
+pub(crate) fn pass_scale<T: Real>(
+    f: &Flat<'_, T>,
+    (b, h, c): (usize, usize, usize),
+    seq_prev: i64,
+) -> (T, i64) {
+    let p = f.p;
+    let last = c * p.options().chunk_size + p.chunk_len(c) - 1;
+    let seq_new = p.seq_idx_at(b, last);
+    let scale = if seq_new == seq_prev {
+        f.cum_last(b, h, c).exp()
+    } else {
+        T::zero()
+    };
+    (scale, seq_new)
 }
 
 /// The sequential pass across chunks, in place: on entry `states` holds the per-chunk states
@@ -174,8 +212,7 @@ pub fn state_passing<T: Real>(
 ) -> Array4<T> {
     let d = *p.dims();
     let nc = p.nchunks();
-    let cs = p.options().chunk_size;
-    check_cumsum(p, cumsum);
+    let f = Flat::new(p, cumsum, MatmulPrecision::Native);
     assert_eq!(
         states.shape(),
         &[d.batch, nc, d.nheads, d.headdim, d.dstate],
@@ -210,13 +247,7 @@ pub fn state_passing<T: Real>(
             }
             let mut seq_prev = 0i64;
             for c in 0..nc {
-                let last = c * cs + p.chunk_len(c) - 1;
-                let seq_new = p.seq_idx_at(b, last);
-                let scale = if seq_new == seq_prev {
-                    cumsum.dA_cumsum[[b, h, c, cs - 1]].exp()
-                } else {
-                    T::zero()
-                };
+                let (scale, seq_new) = pass_scale(&f, (b, h, c), seq_prev);
                 seq_prev = seq_new;
                 let mut local = v.index_axis_mut(Axis(0), c);
                 let step = |dst: &mut T, run: &mut T| {
@@ -238,11 +269,4 @@ pub fn state_passing<T: Real>(
             }
         });
     final_states
-}
-
-pub(crate) fn check_cumsum<T: Real>(p: &Problem<T>, cumsum: &ChunkCumsum<T>) {
-    let d = p.dims();
-    let want = [d.batch, d.nheads, p.nchunks(), p.options().chunk_size];
-    assert_eq!(cumsum.dA_cumsum.shape(), &want, "dA_cumsum shape");
-    assert_eq!(cumsum.dt.shape(), &want, "dt shape");
 }

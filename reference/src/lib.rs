@@ -15,6 +15,7 @@
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;
+mod flat;
 pub mod fwd_pass_state;
 mod gemm;
 pub mod naive;
@@ -118,6 +119,22 @@ pub struct Output<T> {
     pub out: Array4<T>,
     /// State after the last token of each row: `[batch, nheads, headdim, dstate]`.
     pub final_states: Array4<T>,
+}
+
+/// A zero-filled array, the zeros written in parallel.
+///
+/// `Array::zeros` writes its zeros on the calling thread whenever the allocator hands back
+/// reused memory (as in repeated calls); for the large outputs that is a measurable serial
+/// pass over memory.
+pub(crate) fn par_zeros<T: Real, D: ndarray::Dimension, Sh: ndarray::ShapeBuilder<Dim = D>>(
+    shape: Sh,
+) -> ndarray::Array<T, D> {
+    use rayon::prelude::*;
+    let shape = shape.into_shape_with_order();
+    let n = shape.size();
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(T::zero(), n));
+    ndarray::Array::from_shape_vec(shape, v).expect("size matches the shape")
 }
 
 /// Shape helper for `[batch, nchunks, nheads, headdim, dstate]` tensors.

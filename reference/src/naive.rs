@@ -32,7 +32,7 @@ use crate::{Output, Problem, Real};
 pub fn forward<T: Real>(p: &Problem<T>) -> Output<T> {
     let d = *p.dims();
     let i = p.inputs();
-    let mut out = Array4::<T>::zeros((d.batch, d.seqlen, d.nheads, d.headdim));
+    let mut out: Array4<T> = crate::par_zeros((d.batch, d.seqlen, d.nheads, d.headdim));
     let mut final_states = Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate));
 
     // Flat row-major copies (no copy when the inputs are already standard layout).

@@ -6,11 +6,13 @@
 //!   in `naive_vs_chunked`: `gamma_units(p) * u` times the magnitude of that state;
 //! - `dA_cumsum` is the within-chunk cumsum of `dt' A`, flat past `seqlen`;
 //! - `chunk_state` followed by `state_passing` is `fwd_pass_state`;
-//! - results do not depend on the number of threads (every sum has a fixed order).
+//! - results do not depend on the number of threads (every sum has a fixed order), nor on the
+//!   schedule (`Staged` and `Fused` give the same bits).
 mod common;
 
 use common::*;
 use proptest::prelude::*;
+use ssd_reference::chunked::Schedule;
 use ssd_reference::random::{random_problem, ProblemSpec, SeqIdx};
 use ssd_reference::{chunk_cumsum, chunked, fwd_pass_state, naive, Dims, MatmulPrecision, Problem};
 
@@ -46,6 +48,28 @@ proptest! {
     #[test]
     fn chunk_states_are_the_states_entering_each_chunk(spec in any_spec(90), seed in any::<u64>()) {
         check_chunk_states(&random_problem(&spec, seed).unwrap());
+    }
+
+    #[test]
+    fn staged_and_fused_schedules_agree_bit_for_bit(
+        spec in any_spec(200),
+        seed in any::<u64>(),
+        tf32 in any::<bool>(),
+    ) {
+        let p = random_problem(&spec, seed).unwrap();
+        let q = p.cast::<f32>();
+        let prec = if tf32 { MatmulPrecision::Tf32 } else { MatmulPrecision::Native };
+        let a = chunked::forward_with(&p, prec, Schedule::Staged);
+        let b = chunked::forward_with(&p, prec, Schedule::Fused);
+        prop_assert_eq!(&a.out, &b.out);
+        prop_assert_eq!(&a.final_states, &b.final_states);
+        prop_assert_eq!(&a.chunk_states, &b.chunk_states);
+        prop_assert_eq!(&a.dA_cumsum, &b.dA_cumsum);
+        let a = chunked::forward_with(&q, prec, Schedule::Staged);
+        let b = chunked::forward_with(&q, prec, Schedule::Fused);
+        prop_assert_eq!(&a.out, &b.out);
+        prop_assert_eq!(&a.final_states, &b.final_states);
+        prop_assert_eq!(&a.chunk_states, &b.chunk_states);
     }
 }
 
