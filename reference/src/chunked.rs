@@ -1,9 +1,9 @@
 //! The chunked jump formula: the three stages in order.
 //!
-//! 1. [`chunk_cumsum`](crate::chunk_cumsum::chunk_cumsum): `dt'` and `dA_cumsum`;
-//! 2. [`fwd_pass_state`](crate::fwd_pass_state::fwd_pass_state): per-chunk states (one matrix
+//! 1. [`chunk_cumsum`]: `dt'` and `dA_cumsum`;
+//! 2. [`fwd_pass_state`]: per-chunk states (one matrix
 //!    product each) and the sequential pass across chunks: `chunk_states`, `final_states`;
-//! 3. [`compute_out`](crate::compute_out::compute_out): carried-state term plus the causal,
+//! 3. [`compute_out`]: carried-state term plus the causal,
 //!    decayed `C B^T` times `dt' x`, the `D` skip and the `z` gate: `out`.
 //!
 //! Mathematically equal to the recurrence of [`naive`](crate::naive); the result depends on

@@ -4,8 +4,9 @@
 //! The operands of the chunked path are at most `chunk_size x max(chunk_size, headdim,
 //! dstate)` and sit in cache; a general-purpose GEMM spends as much time re-packing such
 //! operands as multiplying them. This one reads them in place: it walks `c` in register tiles
-//! of `MR x NR` (4 x 8 for f64, 4 x 16 for f32: two AVX2 vectors per row), broadcasting
-//! `a[i, k]` and loading `b[k, j..j + NR]`, which LLVM compiles to FMA vector code.
+//! of 4 rows by three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
+//! accumulators), then one vector, broadcasting `a[i, k]` and loading `b[k, j..j + NR]`, which
+//! LLVM compiles to FMA vector code.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
 //! increasing `k`, starting from 0; with `accumulate`, that sum is then added to the old
@@ -65,13 +66,16 @@ pub(crate) fn gemm<T: Real>(
 ) {
     assert_eq!(b.cs, 1, "b must have contiguous rows");
     if std::mem::size_of::<T>() == 8 {
-        tiles::<T, 4, 8>((m, n, k), a, b, c, ldc, accumulate, tri);
+        tiles::<T, 4, 12, 4>((m, n, k), a, b, c, ldc, accumulate, tri);
     } else {
-        tiles::<T, 4, 16>((m, n, k), a, b, c, ldc, accumulate, tri);
+        tiles::<T, 4, 24, 8>((m, n, k), a, b, c, ldc, accumulate, tri);
     }
 }
 
-fn tiles<T: Real, const MR: usize, const NR: usize>(
+/// Row blocks of `MR`; in each, column tiles of `NR` (three AVX2 vectors: twelve independent
+/// accumulators), then of `NR2` (one vector), then single entries.
+#[allow(clippy::too_many_arguments)]
+fn tiles<T: Real, const MR: usize, const NR: usize, const NR2: usize>(
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, T>,
     b: Mat<'_, T>,
@@ -86,29 +90,31 @@ fn tiles<T: Real, const MR: usize, const NR: usize>(
         let (k_end, n_end) = match tri {
             Tri::Full => (k, n),
             Tri::LowerA => ((i0 + mr).min(k), n),
-            // whole NR-wide tiles up to the diagonal (a few entries right of it come along)
-            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR).min(n)),
+            // column tiles up to the diagonal (a few entries right of it come along)
+            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR2).min(n)),
         };
         let mut j0 = 0;
-        while j0 < n_end {
-            let nr = NR.min(n_end - j0);
-            if mr == MR && nr == NR {
+        if mr == MR {
+            while j0 + NR <= n_end {
                 full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, accumulate);
-            } else {
-                // Edge tile: the same sums, one entry at a time.
-                for r in 0..mr {
-                    for q in 0..nr {
-                        let mut sum = T::zero();
-                        for kk in 0..k_end {
-                            let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
-                            sum = av.mul_add(b.data[b.off + kk * b.rs + j0 + q], sum);
-                        }
-                        let cv = &mut c[(i0 + r) * ldc + j0 + q];
-                        *cv = if accumulate { *cv + sum } else { sum };
-                    }
-                }
+                j0 += NR;
             }
-            j0 += NR;
+            while j0 + NR2 <= n_end {
+                full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, accumulate);
+                j0 += NR2;
+            }
+        }
+        // Edge entries: the same sums, one entry at a time.
+        for r in 0..mr {
+            for q in j0..n_end {
+                let mut sum = T::zero();
+                for kk in 0..k_end {
+                    let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+                    sum = av.mul_add(b.data[b.off + kk * b.rs + q], sum);
+                }
+                let cv = &mut c[(i0 + r) * ldc + q];
+                *cv = if accumulate { *cv + sum } else { sum };
+            }
         }
         i0 += MR;
     }

@@ -6,11 +6,18 @@
 //!   this is the ground truth every other path is checked against.
 //! - [`chunked`]: the chunked "jump formula", stage by stage as the GPU kernels run it
 //!   ([`chunk_cumsum`], [`fwd_pass_state`], [`compute_out`]), with every intermediate returned.
+//!   The stage functions are public and can be run one by one; [`chunked::forward`] runs them
+//!   in one of two bit-identical schedules ([`chunked::Schedule`]).
 //!
 //! Both are generic over `f32` and `f64` ([`Real`]) and parallel over independent work with
-//! rayon's global pool. The chunked path can round every matrix-product operand to TF32
-//! ([`MatmulPrecision::Tf32`]) to emulate a correct TF32 tensor-core kernel.
-//! `docs/math.md` in the repository derives every equation.
+//! rayon's global pool; results do not depend on the number of threads. The chunked path can
+//! round every matrix-product operand to TF32 ([`MatmulPrecision::Tf32`]) to emulate a correct
+//! TF32 tensor-core kernel.
+//!
+//! The chunked path's matrix products are a small register-tiled kernel that reads its operands
+//! in place (every entry a chain of fused multiply-adds in increasing `k`), and its decays use a
+//! vectorised `exp` (within 2 ulp of the C library's). `docs/math.md` in the repository derives
+//! every equation and lists the TF32 rounding points.
 
 pub mod chunk_cumsum;
 pub mod chunked;
