@@ -40,7 +40,7 @@ done
 cargo bench -p ssd-gpu --bench forward --no-run --message-format=json | executables |
   while read -r name path; do cp "$path" "$bundle/bin/bench-$name"; done
 if cargo build --release -p ssd-verify --bin ssd-oracle; then
-  cp target/release/ssd-oracle "$bundle/bin/"
+  cp "${CARGO_TARGET_DIR:-target}/release/ssd-oracle" "$bundle/bin/"
 else
   echo "warning: ssd-oracle did not build; the bundle goes without it" >&2
 fi
