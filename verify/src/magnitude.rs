@@ -76,25 +76,31 @@ const D_TERM: f64 = 4.0;
 /// The gate `y * (z / (1 + exp(-z)))`: `exp`, add, divide, multiply.
 const GATE: f64 = 4.0;
 
+/// Absolute error, in units of `u`, of softplus evaluated as `log(1 + exp(v))` without
+/// `log1p`, as mamba_ssm's Triton kernels do: rounding `1 + exp(v)` costs `u` absolutely
+/// whatever `v`, and an approximate `log` near 1 (`lg2.approx`) up to about 3u more.
+pub const SOFTPLUS_ABS: f64 = 4.0;
+
 /// The error scale `rho` of the processed step `dt'` of one token: a correct implementation
 /// computes `dt'` with an absolute error of at most `u * rho`.
 ///
 /// With `v = dt + dt_bias` and `s = softplus'(v) = sigmoid(v)` when softplus applies (1
 /// otherwise): rounding `dt` and `dt_bias` and adding them errs by `2u (|dt| + |dt_bias|)` in
-/// `v`, which moves `dt'` by `s` times that; `log1p(exp(v))` itself errs by `2u |dt'|`
-/// (`sigmoid <= softplus`). The clamp is 1-Lipschitz and its limits are rounded once
-/// (`u |dt'|`). So `rho = 2 s (|dt| + |dt_bias|) + 2 |dt'|`.
+/// `v`, which moves `dt'` by `s` times that; softplus itself errs by `2u |dt'|` relatively
+/// (`exp` and `log`, with `sigmoid <= softplus`) plus [`SOFTPLUS_ABS`]` u` absolutely. The clamp
+/// is 1-Lipschitz and its limits are rounded once (`u |dt'|`). So
+/// `rho = 2 s (|dt| + |dt_bias|) + 2 |dt'| (+ SOFTPLUS_ABS below the threshold)`.
 pub fn dt_sensitivity(p: &Problem<f64>, b: usize, t: usize, h: usize) -> f64 {
     let i = p.inputs();
     let dt = i.dt[[b, t, h]];
     let bias = i.dt_bias.as_ref().map_or(0.0, |d| d[h]);
     let v = dt + bias;
-    let s = if p.options().dt_softplus && v <= 20.0 {
-        1.0 / (1.0 + (-v).exp())
+    let (s, abs) = if p.options().dt_softplus && v <= 20.0 {
+        (1.0 / (1.0 + (-v).exp()), SOFTPLUS_ABS)
     } else {
-        1.0
+        (1.0, 0.0)
     };
-    2.0 * s * (dt.abs() + bias.abs()) + 2.0 * p.dt_processed(b, t, h).abs()
+    2.0 * s * (dt.abs() + bias.abs()) + 2.0 * p.dt_processed(b, t, h).abs() + abs
 }
 
 /// `|silu(z)|` and the relative sensitivity `|z silu'(z) / silu(z)| = |1 + z (1 - sigmoid(z))|`

@@ -56,7 +56,9 @@ pub struct Units {
     pub acc: f64,
     /// The conversion of `x`, `B`, `C`, `z` to the kernel's input format.
     pub io: f64,
-    /// The rounding of matrix-product operands beyond `acc` (0 when operands are not rounded).
+    /// The rounding of matrix-product operands beyond `acc` (0 when operands are not rounded):
+    /// `2^-10` for TF32, whose operands a tensor core may truncate instead of rounding, `2^-8`
+    /// for BF16 (round to nearest).
     pub op: f64,
     /// The float64 reference's own arithmetic.
     pub reference: f64,
@@ -67,6 +69,9 @@ pub struct Units {
 const U64: f64 = 1.0 / 9_007_199_254_740_992.0; // 2^-53
 const U32: f64 = 1.0 / 16_777_216.0; // 2^-24
 const U_TF32: f64 = 1.0 / 2048.0; // 2^-11
+/// TF32 operands may be truncated rather than rounded: a tensor core fed f32 registers drops
+/// their 13 low mantissa bits (mamba_ssm's Triton kernels do this); truncation errs by < 2^-10.
+const U_TF32_OPERAND: f64 = 1.0 / 1024.0; // 2^-10
 const U_BF16: f64 = 1.0 / 256.0; // 2^-8
 const ETA64: f64 = f64::MIN_POSITIVE; // 2^-1022
 const ETA32: f64 = f32::MIN_POSITIVE as f64; // 2^-126
@@ -106,7 +111,7 @@ impl Precision {
         let (acc, io, op, eta) = match self {
             Precision::F64 => (U64, U64, 0.0, ETA64),
             Precision::F32 => (U32, U32, 0.0, ETA32),
-            Precision::Tf32 => (U32, U32, U_TF32, ETA32),
+            Precision::Tf32 => (U32, U32, U_TF32_OPERAND, ETA32),
             Precision::Bf16 => (U32, U_BF16, U_BF16, ETA32),
         };
         Units {

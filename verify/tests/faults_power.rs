@@ -19,7 +19,8 @@ proptest! {
     #![proptest_config(config_for("faults_power"))]
 
     /// The plain-loops implementation without a fault is a correct implementation: all four
-    /// outputs within the f64 bound in f64, the TF32 bound with TF32 operands, the BF16 bound
+    /// outputs within the f64 bound in f64, the TF32 bound with TF32 operands (rounded or
+    /// truncated), the BF16 bound
     /// with bf16 inputs and operands.
     #[test]
     fn plain_loops_without_fault_are_correct(case in case_strategy()) {
@@ -30,6 +31,8 @@ proptest! {
         let p32 = p.cast::<f32>();
         let v = oracle.check(&(&faults::forward(&p32, Fault::None, Rounding::Tf32)).into(), Precision::Tf32).unwrap();
         prop_assert!(v.passed(), "tf32 {case}: {:?}", v.failures());
+        let v = oracle.check(&(&faults::forward(&p32, Fault::None, Rounding::Tf32Truncate)).into(), Precision::Tf32).unwrap();
+        prop_assert!(v.passed(), "tf32 (truncating) {case}: {:?}", v.failures());
         let pb = round_inputs(&p, FloatDtype::BF16).unwrap().cast::<f32>();
         let v = oracle.check(&(&faults::forward(&pb, Fault::None, Rounding::Bf16)).into(), Precision::Bf16).unwrap();
         prop_assert!(v.passed(), "bf16 {case}: {:?}", v.failures());

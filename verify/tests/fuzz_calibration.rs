@@ -104,6 +104,11 @@ fn calibrate(n: usize, seed: u8) -> Stats {
         local.push(("plain f64 @f64", check((&f64c).into(), Precision::F64)));
         let ft = faults::forward(&p32, Fault::None, Rounding::Tf32);
         local.push(("plain tf32 @tf32", check((&ft).into(), Precision::Tf32)));
+        let ftt = faults::forward(&p32, Fault::None, Rounding::Tf32Truncate);
+        local.push((
+            "plain tf32-truncating @tf32",
+            check((&ftt).into(), Precision::Tf32),
+        ));
         // BF16: inputs rounded before the kernel, operands rounded to bf16.
         let pb = bf16_inputs(&p).cast::<f32>();
         let fb = faults::forward(&pb, Fault::None, Rounding::Bf16);
@@ -125,7 +130,8 @@ fn calibrate(n: usize, seed: u8) -> Stats {
     stats.into_inner().expect("no poisoned lock")
 }
 
-const CORRECT: [&str; 7] = [
+const CORRECT: [&str; 8] = [
+    "plain tf32-truncating @tf32",
     "chunked f64 @f64",
     "chunked f32 @f32",
     "chunked tf32 @tf32",

@@ -75,6 +75,9 @@ pub enum Rounding {
     None,
     /// To TF32: 11 significant bits, round to nearest (ties away, as `cvt.rna.tf32.f32`).
     Tf32,
+    /// To TF32 by truncation (the 13 low mantissa bits dropped): what a tensor core does with
+    /// f32 registers fed to a TF32 `mma` without a `cvt.rna.tf32.f32` first.
+    Tf32Truncate,
     /// To bfloat16: 8 significant bits, round to nearest even.
     Bf16,
 }
@@ -85,6 +88,9 @@ impl Rounding {
         match self {
             Rounding::None => v,
             Rounding::Tf32 => T::lit(round_bits(v.as_f64(), 11)),
+            Rounding::Tf32Truncate => {
+                T::lit(f32::from_bits((v.as_f64() as f32).to_bits() & 0xFFFF_E000) as f64)
+            }
             Rounding::Bf16 => T::lit(half::bf16::from_f64(v.as_f64()).to_f64()),
         }
     }
