@@ -41,8 +41,8 @@ pub enum Precision {
     F64,
     /// float32 throughout (inputs rounded to f32 once).
     F32,
-    /// float32 with every matrix-product operand rounded to TF32 (10 explicit mantissa bits),
-    /// accumulation in f32: a TF32 tensor-core kernel.
+    /// float32 with every matrix-product operand rounded or truncated to TF32 (10 explicit
+    /// mantissa bits), accumulation in f32: a TF32 tensor-core kernel.
     Tf32,
     /// `x`, `B`, `C`, `z` rounded to bfloat16 before the kernel and every matrix-product
     /// operand rounded to bfloat16, accumulation and everything else in f32.
