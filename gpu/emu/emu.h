@@ -1,0 +1,73 @@
+// Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/):
+// a block runs as blockDim host threads with std::barrier for __syncthreads/__syncwarp;
+// mma.sync m16n8k8 TF32 is emulated warp-wide through a per-warp scratch (f32 sums in k order,
+// so only comparisons between kernel versions are meaningful, not bits against the GPU);
+// cp.async copies are queued per thread and done at cp.async.wait_group, so a read before the
+// wait sees stale data; dynamic shared memory starts as NaN.
+#pragma once
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <thread>
+#include <barrier>
+#include <vector>
+#include <functional>
+#include <algorithm>
+#include <cstdio>
+using std::min; using std::max;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static
+struct dim3e { unsigned x, y, z; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+struct WarpScratch { float A[16][8]; float B[8][8]; };
+struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
+extern thread_local dim3e threadIdx, blockIdx, blockDim;
+extern thread_local BlockCtx* g_blk;
+inline void __syncthreads() { g_blk->bar->arrive_and_wait(); }
+inline void __syncwarp() { g_blk->wbar[threadIdx.x / 32]->arrive_and_wait(); }
+#define g_dyn (g_blk->dyn)
+inline float tf32_round(float v) {
+    unsigned u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0x7f800000u) return v;
+    u += 0x1000u; u &= 0xffffe000u; return __uint_as_float(u);
+}
+inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    WarpScratch& w = g_blk->ws[threadIdx.x / 32];
+    w.A[g][q] = __uint_as_float(a[0]); w.A[g + 8][q] = __uint_as_float(a[1]);
+    w.A[g][q + 4] = __uint_as_float(a[2]); w.A[g + 8][q + 4] = __uint_as_float(a[3]);
+    w.B[q][g] = __uint_as_float(b[0]); w.B[q + 4][g] = __uint_as_float(b[1]);
+    __syncwarp();
+    int rr[4] = {g, g, g + 8, g + 8}, cc[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
+    for (int e = 0; e < 4; ++e) {
+        float s = 0; for (int k = 0; k < 8; ++k) s += w.A[rr[e]][k] * w.B[k][cc[e]];
+        d[e] = d[e] + s;
+    }
+    __syncwarp();
+}
+// deferred cp.async
+struct Copy { void* dst; const void* src; int n; bool valid; };
+extern thread_local std::vector<std::vector<Copy>> g_groups;
+extern thread_local std::vector<Copy> g_cur;
+inline void cp_async16(float* dst, const float* src, bool valid, const float*) { g_cur.push_back({dst, src, 16, valid}); }
+inline void cp_async4(void* dst, const void* src, bool valid, const void*) { g_cur.push_back({dst, src, 4, valid}); }
+inline void cp_async_commit() { g_groups.push_back(g_cur); g_cur.clear(); }
+template <int N> inline void cp_async_wait() {
+    while ((int)g_groups.size() > N) {
+        for (auto& c : g_groups.front()) { if (c.valid) memcpy(c.dst, c.src, c.n); else memset(c.dst, 0, c.n); }
+        g_groups.erase(g_groups.begin());
+    }
+}

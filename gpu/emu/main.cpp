@@ -1,0 +1,103 @@
+// CPU emulation harness for the CUDA kernels (see scripts/gpu-emu.sh): runs version 1 (fused
+// state pass + ssd_compute_out) and version 2 (ssd_chunk_state_local + ssd_state_passing,
+// ssd_chunk_cb + ssd_compute_out_cb) of the SSD forward on one random problem and compares them.
+// Arguments: batch seqlen nheads headdim ngroups dstate chunk opts seed
+// (opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus).
+#include KERNELS_CPP
+#include <random>
+#include <string>
+thread_local dim3e threadIdx, blockIdx, blockDim;
+thread_local BlockCtx* g_blk;
+thread_local std::vector<std::vector<Copy>> g_groups;
+thread_local std::vector<Copy> g_cur;
+
+template <class F>
+void launch(dim3e grid, int nt, size_t dyn_bytes, F f) {
+    std::vector<float> dyn(dyn_bytes / 4 + 16, NAN);
+    for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) {
+        std::fill(dyn.begin(), dyn.end(), NAN);
+        BlockCtx ctx; std::barrier<> bar(nt); ctx.bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wb;
+        for (int w = 0; w < (nt + 31) / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); ctx.wbar[w] = wb.back().get(); }
+        ctx.dyn = dyn.data();
+        std::vector<std::thread> th;
+        for (int t = 0; t < nt; ++t) th.emplace_back([&, t] {
+            threadIdx = {(unsigned)t, 0, 0}; blockIdx = {x, y, z}; blockDim = {(unsigned)nt, 1, 1}; g_blk = &ctx;
+            g_groups.clear(); g_cur.clear();
+            f();
+            bool pend = !g_cur.empty(); for (auto& gg : g_groups) pend |= !gg.empty(); if (pend) { fprintf(stderr, "pending cp.async at exit\n"); }
+        });
+        for (auto& t : th) t.join();
+    }
+}
+
+int main(int argc, char** argv) {
+    int B = atoi(argv[1]), L = atoi(argv[2]), H = atoi(argv[3]), P = atoi(argv[4]), G = atoi(argv[5]), N = atoi(argv[6]), Q = atoi(argv[7]);
+    int opts = atoi(argv[8]);  // bit0 seq_idx, bit1 init, bit2 z, bit3 D per channel, bit4 dt_bias+softplus
+    std::mt19937 rng(atoi(argv[9]));
+    std::uniform_real_distribution<float> U(-1, 1), Udt(0.001f, 0.1f), UA(-4, -0.5f);
+    auto vec = [&](size_t n, std::uniform_real_distribution<float>& d) { std::vector<float> v(n); for (auto& e : v) e = d(rng); return v; };
+    int nc = (L + Q - 1) / Q;
+    auto x = vec((size_t)B * L * H * P, U), dt = vec((size_t)B * L * H, Udt), A = vec(H, UA);
+    auto Bm = vec((size_t)B * L * G * N, U), Cm = vec((size_t)B * L * G * N, U);
+    auto z = vec((size_t)B * L * H * P, U);
+    auto Dv = vec((opts & 8) ? H * P : H, U);
+    auto init = vec((size_t)B * H * P * N, U);
+    auto bias = vec(H, U);
+    std::vector<int> seq(B * L);
+    for (int b = 0; b < B; ++b) { int s = (b % 2) ? 1 : 0; for (int t = 0; t < L; ++t) { if (t > 0 && rng() % 37 == 0) s += 1 + rng() % 2; if (t > 0 && t % Q == 0 && rng() % 3 == 0) s++; seq[b * L + t] = s; } }
+    const int* seqp = (opts & 1) ? seq.data() : nullptr;
+    const float* initp = (opts & 2) ? init.data() : nullptr;
+    const float* zp = (opts & 4) ? z.data() : nullptr;
+    const float* biasp = (opts & 16) ? bias.data() : nullptr;
+    int softplus = (opts & 16) ? 1 : 0;
+    size_t ncs = (size_t)B * H * nc * Q;
+    std::vector<float> dto(ncs, NAN), dac(ncs, NAN);
+    launch({(unsigned)((B * nc * H + 127) / 128), 1, 1}, 128, 0, [&] {
+        ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY); });
+    // old cumsum loop
+    int bad = 0;
+    for (int b = 0; b < B; ++b) for (int c = 0; c < nc; ++c) for (int h = 0; h < H; ++h) {
+        float cs = 0; long long t0 = (long long)c * Q; long long valid = std::min<long long>(Q, L - t0);
+        size_t o = (((size_t)b * H + h) * nc + c) * Q;
+        for (int l = 0; l < Q; ++l) { float v = 0; if (l < valid) { v = dt[((size_t)b * L + t0 + l) * H + h]; if (biasp) v += bias[h]; if (softplus) v = v > 20 ? v : log1pf(expf(v)); v = fminf(fmaxf(v, 0.0f), INFINITY); }
+            cs = cs + v * A[h]; if (memcmp(&dto[o + l], &v, 4) || memcmp(&dac[o + l], &cs, 4)) bad++; } }
+    printf("cumsum mismatches vs old loop: %d\n", bad);
+    size_t nst = (size_t)B * nc * H * P * N, nfs = (size_t)B * H * P * N, nx = (size_t)B * L * H * P;
+    int ptiles = (P + 63) / 64, ntiles = (N + 63) / 64, itiles = (Q + 63) / 64;
+    // legacy
+    std::vector<float> cstL(nst, NAN), finL(nfs, NAN), outL(nx, NAN);
+    launch({(unsigned)(ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 0, [&] {
+        ssd_fwd_pass_state(x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstL.data(), finL.data(), L, H, P, G, N, Q, nc); });
+    int NC64 = ntiles * 64; size_t smem_old = (2 * 64 * (NC64 + 4) + 64 * 72 + 4 * 16 * 68 + 5 * 64) * 4;
+    auto run_old_out = [&](std::vector<float>& cst, std::vector<float>& out) {
+        launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, smem_old, [&] {
+            ssd_compute_out(x.data(), Bm.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cst.data(), seqp, out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0); });
+    };
+    run_old_out(cstL, outL);
+    // new
+    std::vector<float> cstN(nst, NAN), finN(nfs, NAN), outN(nx, NAN), outLN(nx, NAN);
+    launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 0, [&] {
+        ssd_chunk_state_local(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
+    launch({(unsigned)((P * N + 255) / 256), (unsigned)H, (unsigned)B}, 256, 0, [&] {
+        ssd_state_passing(dac.data(), initp, seqp, cstN.data(), finN.data(), L, H, P, N, Q, nc); });
+    int tmax = (std::min(Q, L) + 63) / 64, npairs = tmax * (tmax + 1) / 2;
+    std::vector<float> cbuf((size_t)B * nc * G * npairs * 4096, NAN);
+    launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, 2 * 64 * (NC64 + 4) * 4, [&] {
+        ssd_chunk_cb(Bm.data(), Cm.data(), cbuf.data(), L, G, N, Q, nc, tmax); });
+    launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, (2 * (64 * 68 + 64 * 72 + 192) + 128) * 4, [&] {
+        ssd_compute_out_cb(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), outN.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax); });
+    run_old_out(cstN, outLN);
+    auto cmp = [](const char* name, std::vector<float>& a, std::vector<float>& b) {
+        double worst = 0, mag = 0; size_t nan = 0, diff = 0;
+        for (size_t i = 0; i < a.size(); ++i) { if (std::isnan(a[i]) || std::isnan(b[i])) { nan++; continue; } if (memcmp(&a[i], &b[i], 4)) diff++; worst = std::max(worst, (double)fabsf(a[i] - b[i])); mag = std::max(mag, (double)fabsf(b[i])); }
+        printf("%-28s n=%zu nan=%zu differing=%zu max|diff|=%.3g max|ref|=%.3g\n", name, a.size(), nan, diff, worst, mag);
+        return nan;
+    };
+    size_t nans = 0;
+    nans += cmp("chunk_states new vs legacy", cstN, cstL);
+    nans += cmp("final_states new vs legacy", finN, finL);
+    nans += cmp("out new vs legacy", outN, outL);
+    nans += cmp("out new vs old-kernel(newS)", outN, outLN);
+    printf("RESULT %s\n", nans ? "NAN" : "ok");
+}
