@@ -405,3 +405,106 @@ fn floor_scale(p: &Problem<f64>) -> f64 {
     (d.seqlen as f64 + 2.0) * (d.dstate as f64 + 2.0) * x * (1.0 + mz)
         + p.options().chunk_size as f64 * ma
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{arr1, Array3, Array4};
+    use ssd_reference::random::{random_problem, ProblemSpec, SeqIdx};
+    use ssd_reference::{chunked, naive, Dims, Inputs, MatmulPrecision, Options};
+
+    /// With every input non-negative and no gate, no term can cancel: the magnitude is the
+    /// output itself (and the states the reference's states).
+    #[test]
+    fn magnitude_of_non_negative_data_is_the_output() {
+        let dims = Dims {
+            batch: 2,
+            seqlen: 37,
+            nheads: 4,
+            headdim: 3,
+            ngroups: 2,
+            dstate: 5,
+        };
+        let mut spec = ProblemSpec::full(dims, 8);
+        spec.z = false;
+        spec.seq_idx = SeqIdx::Segments {
+            segments: 3,
+            first: 0,
+        };
+        let p = random_problem(&spec, 3).unwrap();
+        let i = p.inputs().clone();
+        let abs4 = |a: &Array4<f64>| a.mapv(f64::abs);
+        let inputs = Inputs {
+            x: abs4(&i.x),
+            B: abs4(&i.B),
+            C: abs4(&i.C),
+            D: i.D.as_ref().map(|d| d.mapv(f64::abs)),
+            initial_states: i.initial_states.as_ref().map(abs4),
+            ..i
+        };
+        let p = Problem::new(dims, *p.options(), inputs).unwrap();
+        let m = magnitudes(&p);
+        let n = naive::forward(&p);
+        let c = chunked::forward(&p, MatmulPrecision::Native);
+        let close = |a: &ArrayD<f64>, b: &ArrayD<f64>| {
+            a.iter()
+                .zip(b.iter())
+                .all(|(x, y)| (x - y).abs() <= 1e-12 * (1.0 + x.abs()))
+        };
+        assert!(close(&m.out.mag, &n.out.into_dyn()));
+        assert!(close(&m.final_states.mag, &n.final_states.into_dyn()));
+        assert!(close(&m.chunk_states.mag, &c.chunk_states.into_dyn()));
+        let cs = c.dA_cumsum.mapv(f64::abs).into_dyn();
+        assert!(close(&m.dA_cumsum.mag, &cs));
+    }
+
+    /// One token, worked by hand: x = 2, B = -3, C = 0.5, dt' = 0.1, A = -1, D = -1.
+    #[test]
+    fn one_token_by_hand() {
+        let dims = Dims {
+            batch: 1,
+            seqlen: 1,
+            nheads: 1,
+            headdim: 1,
+            ngroups: 1,
+            dstate: 1,
+        };
+        let one = |v: f64| Array4::from_elem((1, 1, 1, 1), v);
+        let inputs = Inputs {
+            x: one(2.0),
+            dt: Array3::from_elem((1, 1, 1), 0.1),
+            A: arr1(&[-1.0]),
+            B: one(-3.0),
+            C: one(0.5),
+            D: Some(arr1(&[-1.0]).into_dyn()),
+            z: None,
+            dt_bias: None,
+            initial_states: None,
+            seq_idx: None,
+        };
+        let p = Problem::new(dims, Options::default(), inputs).unwrap();
+        let m = magnitudes(&p);
+        // |C dt' x B| + |D x| = 0.5 * 0.1 * 2 * 3 + 2
+        let term = 0.3;
+        assert!((m.out.mag[[0, 0, 0, 0]] - (term + 2.0)).abs() < 1e-15);
+        // rho = 2 |dt| + 2 |dt'| = 0.4; a_err = |A| (rho + 2 dt') = 0.6; phi_0 = 0 + a_err.
+        let rho = 0.4;
+        let phi = 0.6;
+        let e0 = 5.0 + 0.0 + 2.0 * phi;
+        // state: e0 |dt' x B| + rho |x B|; output: |C| (E + (dstate + 2) M) + 4 |D x|
+        let state_e = e0 * 0.6 + rho * 6.0;
+        let acc = 0.5 * (state_e + 3.0 * 0.6) + 4.0 * 2.0;
+        assert!(
+            (m.out.acc[[0, 0, 0, 0]] - acc).abs() < 1e-12,
+            "{}",
+            m.out.acc
+        );
+        assert!((m.out.io[[0, 0, 0, 0]] - (3.0 * term + 2.0)).abs() < 1e-12);
+        assert!((m.out.op[[0, 0, 0, 0]] - 4.0 * term).abs() < 1e-12);
+        assert_eq!(m.out.tok[[0, 0, 0, 0]], 0.0);
+        // final state: the term, plus the last pass (4 M).
+        assert!((m.final_states.acc[[0, 0, 0, 0]] - (state_e + 4.0 * 0.6)).abs() < 1e-12);
+        assert!((m.dA_cumsum.acc[[0, 0, 0, 0]] - phi).abs() < 1e-15);
+        assert!((m.dA_cumsum.mag[[0, 0, 0, 0]] - 0.1).abs() < 1e-15);
+    }
+}

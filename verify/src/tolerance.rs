@@ -607,3 +607,72 @@ impl Oracle {
         Ok(Verdict { precision, tensors })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ssd_reference::random::{random_problem, ProblemSpec};
+    use ssd_reference::Dims;
+
+    fn problem() -> Problem<f64> {
+        let dims = Dims {
+            batch: 1,
+            seqlen: 20,
+            nheads: 2,
+            headdim: 3,
+            ngroups: 1,
+            dstate: 4,
+        };
+        random_problem(&ProblemSpec::full(dims, 8), 1).unwrap()
+    }
+
+    #[test]
+    fn unit_roundoffs() {
+        assert_eq!(Precision::F32.unit_roundoff(), f32::EPSILON as f64 / 2.0);
+        assert_eq!(Precision::F64.unit_roundoff(), f64::EPSILON / 2.0);
+        assert_eq!(Precision::Tf32.unit_roundoff(), 2f64.powi(-11));
+        assert_eq!(Precision::Bf16.unit_roundoff(), 2f64.powi(-8));
+        assert_eq!(Precision::Tf32.units().op, 2f64.powi(-10));
+        assert_eq!(storage_rounding(Dtype::BF16).0, 2f64.powi(-8));
+    }
+
+    #[test]
+    fn reference_passes_itself_and_a_nan_fails_with_its_index() {
+        let p = problem();
+        let o = Oracle::new(&p);
+        let exact = o.reference(OutputName::Out).clone();
+        let r = o
+            .compare(OutputName::Out, &exact, Dtype::F64, Precision::F64)
+            .unwrap();
+        assert!(r.passed());
+        assert_eq!(r.max_ratio(), 0.0);
+        assert_eq!(r.max_abs_error, 0.0);
+        let mut bad = exact.clone();
+        bad[[0, 7, 1, 2]] = f64::NAN;
+        let r = o
+            .compare(OutputName::Out, &bad, Dtype::F32, Precision::Bf16)
+            .unwrap();
+        assert!(!r.passed());
+        assert_eq!(r.non_finite, 1);
+        assert_eq!(r.first_non_finite, Some(vec![0, 7, 1, 2]));
+        assert_eq!(r.worst.as_ref().unwrap().index, vec![0, 7, 1, 2]);
+        assert!(r.rel_l2.is_infinite());
+    }
+
+    #[test]
+    fn bounds_grow_with_the_precision_and_shapes_are_checked() {
+        let p = problem();
+        let o = Oracle::new(&p);
+        let b: Vec<ArrayD<f64>> = Precision::ALL
+            .iter()
+            .map(|&pr| o.bounds(OutputName::Out, pr, Dtype::F64))
+            .collect();
+        for w in b.windows(2) {
+            assert!(w[0].iter().zip(w[1].iter()).all(|(a, c)| a < c));
+        }
+        let wrong = ArrayD::<f64>::zeros(ndarray::IxDyn(&[1, 20, 2, 4]));
+        assert!(o
+            .compare(OutputName::Out, &wrong, Dtype::F32, Precision::F32)
+            .is_err());
+    }
+}
