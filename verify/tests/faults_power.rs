@@ -155,7 +155,7 @@ fn planted_faults_shrink_to_small_cases() {
         Fault::DAfterGate,
     ] {
         let config = Config {
-            cases: case_count(),
+            cases: DEFAULT_CASES,
             failure_persistence: None,
             ..Config::default()
         };
