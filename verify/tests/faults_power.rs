@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{chunked, Dims, MatmulPrecision};
 use ssd_verify::fixture::{round_inputs, FloatDtype};
-use ssd_verify::fuzz::{case_count, case_strategy, config_for, DEFAULT_CASES};
+use ssd_verify::fuzz::{case_strategy, config_for, DEFAULT_CASES};
 use ssd_verify::tolerance::{Candidate, Oracle, Precision};
 
 proptest! {
