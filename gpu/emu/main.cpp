@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
     run_old_out(cstL, outL);
     // new
     std::vector<float> cstN(nst, NAN), finN(nfs, NAN), outN(nx, NAN), outLN(nx, NAN);
-    launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 0, [&] {
+    launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 2 * (2 * 64 * 72 + 4 * 64) * 4, [&] {
         ssd_chunk_state_local(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
     launch({(unsigned)((P * N + 255) / 256), (unsigned)H, (unsigned)B}, 256, 0, [&] {
         ssd_state_passing(dac.data(), initp, seqp, cstN.data(), finN.data(), L, H, P, N, Q, nc); });
@@ -92,12 +92,13 @@ int main(int argc, char** argv) {
         double worst = 0, mag = 0; size_t nan = 0, diff = 0;
         for (size_t i = 0; i < a.size(); ++i) { if (std::isnan(a[i]) || std::isnan(b[i])) { nan++; continue; } if (memcmp(&a[i], &b[i], 4)) diff++; worst = std::max(worst, (double)fabsf(a[i] - b[i])); mag = std::max(mag, (double)fabsf(b[i])); }
         printf("%-28s n=%zu nan=%zu differing=%zu max|diff|=%.3g max|ref|=%.3g\n", name, a.size(), nan, diff, worst, mag);
-        return nan;
+        // version 2 changes only the f32 order of the state passing: far below TF32's 2^-11
+        return nan + (worst > 1e-4 * std::max(mag, 1.0) ? 1 : 0);
     };
     size_t nans = 0;
     nans += cmp("chunk_states new vs legacy", cstN, cstL);
     nans += cmp("final_states new vs legacy", finN, finL);
     nans += cmp("out new vs legacy", outN, outL);
     nans += cmp("out new vs old-kernel(newS)", outN, outLN);
-    printf("RESULT %s\n", nans ? "NAN" : "ok");
+    printf("RESULT %s\n", nans ? "NAN or large difference" : "ok");
 }

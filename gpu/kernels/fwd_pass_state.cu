@@ -149,9 +149,13 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // chunk c, head h, 64 x 64 tile of [headdim, dstate]), writing into chunk_states[b, c, h]
 //   L_c[p, n] = sum_{l <= last, seq(l) == seq(last)} x[l, p] * w[l] * B[l, n],
 //   w[l] = exp(cs[last] - cs[l]) * dt'[l],
-// the same TF32 product (operands rounded at the same points) as the fused kernel, started
-// from zero instead of from scale * S. The grid's x is chunk-major: c * tiles + tile.
-extern "C" __global__ void __launch_bounds__(ST_THREADS, 4) ssd_chunk_state_local(
+// the same TF32 product (operands rounded at the same points: x, and B times w) as the fused
+// kernel, started from zero instead of from scale * S. The grid's x is chunk-major:
+// c * tiles + tile. The 64-token stages stream through a cp.async double buffer: while stage k
+// is multiplied, stage k + 1's x, B, cs, dt' and seq_idx are in flight.
+// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x 72, cs 64, dt' 64, seq 64, w 64].
+#define SL_BUF (2 * ST_TK * ST_STRIDE + 4 * ST_TK)
+extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_local(
     const float* __restrict__ x,          // [batch, seqlen, nheads, headdim]
     const float* __restrict__ Bm,         // [batch, seqlen, ngroups, dstate]
     const float* __restrict__ dt_out,     // [batch, nheads, nchunks, chunk_size]
@@ -160,10 +164,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 4) ssd_chunk_state_loca
     float* __restrict__ chunk_states,     // [batch, nchunks, nheads, headdim, dstate] (L_c here)
     int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
 {
-    __shared__ __align__(16) float xs[ST_TK * ST_STRIDE];   // [token][p]
-    __shared__ __align__(16) float bs[ST_TK * ST_STRIDE];   // [token][n], times w
-    __shared__ float ws[ST_TK];
-
+    extern __shared__ __align__(16) float smem[];
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int ntiles_n = (dstate + ST_TN - 1) / ST_TN;
@@ -192,26 +193,72 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 4) ssd_chunk_state_loca
     const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
     const float cs_last = dA_cumsum[cb + last];
     const int seq_last = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
+    const float* xsrc = x + ((i64)b * seqlen + t0) * tok_stride_x + (i64)h * headdim + p0;
+    const float* bsrc = Bm + ((i64)b * seqlen + t0) * tok_stride_b + (i64)grp * dstate + n0;
+    const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen + t0 : nullptr;
+    const int nst = last / ST_TK + 1;
 
-    for (int k0 = 0; k0 <= last; k0 += ST_TK) {
+    auto issue = [&](int k) {
+        float* xs = smem + (k & 1) * SL_BUF;
+        float* bs = xs + ST_TK * ST_STRIDE;
+        float* csk = bs + ST_TK * ST_STRIDE;
+        const int k0 = k * ST_TK;
         const int rows_t = min(ST_TK, last + 1 - k0);
-        __syncthreads();  // the previous stage's fragments have been read
+        async_block64(xs, ST_STRIDE, xsrc + k0 * tok_stride_x, tok_stride_x, rows_t, rows_p, tid);
+        async_block64(bs, ST_STRIDE, bsrc + k0 * tok_stride_b, tok_stride_b, rows_t, cols_n, tid);
         if (tid < ST_TK) {
+            const bool ok = tid < rows_t;
+            cp_async4(csk + tid, dA_cumsum + cb + k0 + tid, ok, dA_cumsum);
+            cp_async4(csk + ST_TK + tid, dt_out + cb + k0 + tid, ok, dt_out);
+            if (seq_row != nullptr) cp_async4(csk + 2 * ST_TK + tid, seq_row + k0 + tid, ok, seq_row);
+        }
+    };
+
+    issue(0);
+    cp_async_commit();
+    for (int k = 0; k < nst; ++k) {
+        if (k + 1 < nst) issue(k + 1);  // its buffer was released by the barrier ending stage k - 1
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of stage k have landed
+        float* xs = smem + (k & 1) * SL_BUF;
+        float* bs = xs + ST_TK * ST_STRIDE;
+        const float* csk = bs + ST_TK * ST_STRIDE;
+        const float* dtk = csk + ST_TK;
+        const int* seqk = (const int*)(dtk + ST_TK);
+        float* ws = (float*)(seqk + ST_TK);
+        const int k0 = k * ST_TK;
+        const int rows_t = min(ST_TK, last + 1 - k0);
+        if (tid < ST_TK) {  // the thread that copied token tid's values
             float w = 0.0f;
             if (tid < rows_t) {
-                int l = k0 + tid;
-                bool same = seq_idx == nullptr || seq_idx[(i64)b * seqlen + t0 + l] == seq_last;
-                if (same) w = expf(cs_last - dA_cumsum[cb + l]) * dt_out[cb + l];
+                const bool same = seq_row == nullptr || seqk[tid] == seq_last;
+                if (same) w = expf(cs_last - csk[tid]) * dtk[tid];
             }
             ws[tid] = w;
         }
-        load_block64_tf32<ST_TK, ST_THREADS, false>(
-            xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
-            tok_stride_x, rows_t, rows_p, nullptr, tid);
+        round_block64_tf32(xs, ST_STRIDE, xsrc + k0 * tok_stride_x, tok_stride_x, rows_p, tid);
         __syncthreads();  // ws is ready
-        load_block64_tf32<ST_TK, ST_THREADS, true>(
-            bs, ST_STRIDE, Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0,
-            tok_stride_b, rows_t, cols_n, ws, tid);
+        {   // B rows times w, rounded to TF32, in place (the elements this thread copied)
+            const float* src = bsrc + k0 * tok_stride_b;
+            if (vec16_ok(src, tok_stride_b, cols_n)) {
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) {
+                    const int e = tid + kk * 128;
+                    const int r = e >> 4;
+                    float4* p = reinterpret_cast<float4*>(bs + r * ST_STRIDE + ((e & 15) << 2));
+                    const float f = ws[r];
+                    float4 v = *p;
+                    *p = make_float4(tf32_round(v.x * f), tf32_round(v.y * f), tf32_round(v.z * f), tf32_round(v.w * f));
+                }
+            } else {
+#pragma unroll 8
+                for (int kk = 0; kk < 32; ++kk) {
+                    const int e = tid + kk * 128;
+                    float* p = bs + (e >> 6) * ST_STRIDE + (e & 63);
+                    *p = tf32_round(*p * ws[e >> 6]);
+                }
+            }
+        }
         __syncthreads();  // both tiles are ready
 #pragma unroll
         for (int kk = 0; kk < ST_TK / 8; ++kk) {
@@ -224,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 4) ssd_chunk_state_loca
                 mma_tf32(acc[j], a, bf);
             }
         }
+        __syncthreads();  // every warp is done with buffer k & 1 before stage k + 2 refills it
     }
 
     float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;

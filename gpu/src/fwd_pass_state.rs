@@ -3,7 +3,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
-use crate::shape::{TILE_N, TILE_P};
+use crate::shape::{CHUNK_STATE_LOCAL_SMEM_BYTES, TILE_N, TILE_P};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
 impl Gpu {
@@ -56,7 +56,7 @@ impl Gpu {
             let cfg = LaunchConfig {
                 grid_dim: (gx as u32, d.nheads as u32, d.batch as u32),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: CHUNK_STATE_LOCAL_SMEM_BYTES as u32,
             };
             let mut launch = stream.launch_builder(&self.chunk_state_local_fn);
             launch
@@ -70,7 +70,9 @@ impl Gpu {
                 launch.arg(s);
             }
             // SAFETY: the argument list matches `ssd_chunk_state_local` in
-            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above.
+            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above;
+            // 74 KB of dynamic shared memory fit every device of compute capability 8.0 or
+            // newer (opt-in raised at load).
             unsafe { launch.launch(cfg) }?;
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;

@@ -89,7 +89,12 @@ impl Gpu {
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
-        for f in [&compute_out_fn, &chunk_cb_fn, &compute_out_cb_fn] {
+        for f in [
+            &compute_out_fn,
+            &chunk_cb_fn,
+            &compute_out_cb_fn,
+            &chunk_state_local_fn,
+        ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 max_smem_optin as i32,

@@ -172,6 +172,10 @@ pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
 /// bytes: two buffers of `64 * 68 + 64 * 72 + 3 * 64` floats, then 128.
 pub(crate) const COMPUTE_OUT_CB_SMEM_BYTES: usize = (2 * (64 * 68 + 64 * 72 + 3 * 64) + 128) * 4;
 
+/// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
+/// bytes: two buffers of `2 * 64 * 72 + 4 * 64` floats.
+pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (2 * 64 * 72 + 4 * 64) * 4;
+
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
 pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {
@@ -267,6 +271,16 @@ mod tests {
         let got = seq_idx_to_i32(&s, 5);
         assert_eq!(got, vec![0, 0, 1, 1, 2, 1, 1, 2, 3, 3]);
         assert_eq!(seq_idx_to_i32(&[3, 3, 3], 3), vec![1, 1, 1]);
+    }
+
+    #[test]
+    fn version_2_smem_fits_three_blocks_per_hopper_sm_and_an_a100() {
+        // 228 KB per SM on Hopper, 1 KB of it reserved per block; 163 KB per block on an A100.
+        for bytes in [COMPUTE_OUT_CB_SMEM_BYTES, CHUNK_STATE_LOCAL_SMEM_BYTES] {
+            assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
+            assert!(bytes <= 163 * 1024, "{bytes}");
+        }
+        assert!(chunk_cb_smem_bytes(MAX_DSTATE) <= compute_out_smem_bytes(MAX_DSTATE));
     }
 
     #[test]
