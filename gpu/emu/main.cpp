@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
     size_t ncs = (size_t)B * H * nc * Q;
     std::vector<float> dto(ncs, NAN), dac(ncs, NAN);
     launch({(unsigned)((B * nc * H + 127) / 128), 1, 1}, 128, 0, [&] {
-        ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY); });
+        ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 1); });
     // old cumsum loop
     int bad = 0;
     for (int b = 0; b < B; ++b) for (int c = 0; c < nc; ++c) for (int h = 0; h < H; ++h) {

@@ -13,7 +13,8 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     float* __restrict__ dt_out,         // [batch, nheads, nchunks, chunk_size]
     float* __restrict__ dA_cumsum,      // [batch, nheads, nchunks, chunk_size]
     int batch, int seqlen, int nheads, int chunk_size, int nchunks,
-    int dt_softplus, float dt_lo, float dt_hi)
+    int dt_softplus, float dt_lo, float dt_hi,
+    int unroll16)  // 1: the 16-token path below (chunk_size a multiple of 16; version 2)
 {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     i64 total = (i64)batch * nchunks * nheads;
@@ -32,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     i64 out = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
 
     float cs = 0.0f;
-    if ((chunk_size & 15) == 0) {
+    if (unroll16 && (chunk_size & 15) == 0) {
         // 16 tokens at a time: their loads in flight together, then the same sequential sum,
         // stored 16 bytes wide (out and l are multiples of 16 here).
         for (int l0 = 0; l0 < chunk_size; l0 += 16) {
