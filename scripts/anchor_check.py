@@ -8,10 +8,13 @@ dropped, softplus flipped), for each option the case uses: every such run must f
 
 Needs a CUDA GPU, torch, triton, einops, safetensors, and mamba_ssm's Triton kernels on
 PYTHONPATH. Usage:
-    anchor_check.py --fixtures DIR --oracle PATH/TO/ssd-oracle [--work DIR]
+    anchor_check.py --fixtures DIR --oracle PATH/TO/ssd-oracle [--work DIR] [--device cpu]
+Without a GPU, `TRITON_INTERPRET=1 anchor_check.py --device cpu ...` runs the same Triton kernels
+in Triton's interpreter (f32 products instead of TF32: it checks the semantics, not the rounding).
 Prints one line per run and a summary; exits 1 if any verdict is not the expected one.
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -31,8 +34,7 @@ def load_case(path):
     return manifest, tensors
 
 
-def run_triton(manifest, t, drop=None):
-    dev = "cuda"
+def run_triton(manifest, t, drop=None, dev="cuda"):
     f32 = lambda name: t[name].to(dev, torch.float32).contiguous() if name in t else None
     lo, hi = manifest.get("dt_limit", [0.0, None])
     dt_limit = (float(lo), float("inf") if hi is None else float(hi))
@@ -50,7 +52,8 @@ def run_triton(manifest, t, drop=None):
         kwargs[drop] = None
     out, _out_x, _dt, dA_cumsum, states, final_states = _mamba_chunk_scan_combined_fwd(
         f32("x"), f32("dt"), f32("A"), f32("B"), f32("C"), manifest["chunk_size"], **kwargs)
-    torch.cuda.synchronize()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     return {
         "out": out.float().cpu().contiguous(),
         "final_states": final_states.float().cpu().contiguous(),
@@ -86,6 +89,8 @@ def main():
     ap.add_argument("--fixtures", required=True)
     ap.add_argument("--oracle", required=True)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--device", default="cuda",
+                    help="cuda, or cpu with TRITON_INTERPRET=1 (Triton's interpreter: f32 dots, slow)")
     args = ap.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="anchor-check-")
     cases = sorted(glob.glob(os.path.join(args.fixtures, "*.json")))
@@ -93,6 +98,12 @@ def main():
         print(f"no case (*.json) in {args.fixtures}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.device == "cpu":
+        # the wrappers select the tensor's CUDA device around each launch: nothing to select here
+        torch.cuda.device = lambda index: contextlib.nullcontext()
+        # and no timer to pick among autotuning configurations: take each kernel's first one
+        from triton.runtime.autotuner import Autotuner
+        Autotuner.prune_configs = lambda self, kwargs, *rest: self.configs[:1]
     bad = 0
     runs = 0
     for case in cases:
@@ -101,7 +112,7 @@ def main():
         correct = None
         for drop in [None] + wrong_variants(manifest, t):
             cand = os.path.join(work, f"{stem}.{drop or 'correct'}.safetensors")
-            result = run_triton(manifest, t, drop)
+            result = run_triton(manifest, t, drop, args.device)
             if drop is None:
                 correct = result
             elif all(torch.equal(result[k], correct[k]) for k in ("out", "final_states")):

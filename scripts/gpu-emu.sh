@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA kernels of gpu/kernels/ on the CPU (no GPU needed): gpu/emu/ emulates a block as
 # host threads (barriers, warp-level mma, deferred cp.async copies, shared memory poisoned with
-# NaN) and compares version 2 (the default kernels) with version 1 (SSD_GPU_LEGACY) on small
+# NaN) and compares version 2 (opt-in, SSD_GPU_V2=1) with version 1 (the default) on small
 # problems over every option: dA_cumsum/dt' and `out` (given the same chunk_states) must be the
 # same bits, chunk/final states equal up to f32 ordering, and no NaN anywhere.
 # Needs g++ with C++20 and python3. Slow (threads): keep the problems small.
