@@ -43,7 +43,7 @@ fn check_chunk_states(p: &Problem<f64>) {
 }
 
 proptest! {
-    #![proptest_config(config(64, 0x55D_0002))]
+    #![proptest_config(config(128, 0x55D_0002))]
 
     #[test]
     fn chunk_states_are_the_states_entering_each_chunk(spec in any_spec(90), seed in any::<u64>()) {

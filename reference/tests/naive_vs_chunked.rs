@@ -40,7 +40,7 @@ fn check(p: &Problem<f64>) -> (f64, f64) {
 }
 
 proptest! {
-    #![proptest_config(config(256, 0x55D_0001))]
+    #![proptest_config(config(512, 0x55D_0001))]
 
     #[test]
     fn random_shapes_and_options(spec in any_spec(300), seed in any::<u64>()) {

@@ -59,7 +59,7 @@ fn check(p: &Problem<f64>) -> [(f64, f64); 3] {
 }
 
 proptest! {
-    #![proptest_config(config(64, 0x55D_0003))]
+    #![proptest_config(config(128, 0x55D_0003))]
 
     #[test]
     fn f32_and_tf32_within_their_bounds(spec in any_spec(120), seed in any::<u64>()) {
