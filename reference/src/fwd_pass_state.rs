@@ -54,6 +54,9 @@ pub struct StatePass<T> {
 }
 
 /// Both halves of stage 2: [`chunk_state`] then [`state_passing`] (in place).
+///
+/// # Panics
+/// If `cumsum` was not computed from `p` (shapes differ).
 pub fn fwd_pass_state<T: Real>(
     p: &Problem<T>,
     cumsum: &ChunkCumsum<T>,
