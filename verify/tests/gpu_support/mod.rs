@@ -26,7 +26,7 @@ pub fn gpu_or_skip(test: &str) -> Option<Arc<Gpu>> {
             if std::env::var("SSD_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 panic!("{test}: SSD_REQUIRE_GPU=1 but {e}");
             }
-            println!("{test}: skipped: no CUDA device ({e})");
+            say_out_loud(&format!("{test}: skipped: no CUDA device ({e})"));
             None
         }
         Err(e) => panic!("{test}: the GPU could not be set up: {e}"),
@@ -214,4 +214,12 @@ pub fn bits(o: &ssd_reference::ChunkedOutput<f32>) -> Vec<u32> {
     v.extend(o.dA_cumsum.iter().map(|x| x.to_bits()));
     v.extend(o.chunk_states.iter().map(|x| x.to_bits()));
     v
+}
+
+/// Prints a line on the real stderr, past the test harness's output capture, so that a skip is
+/// seen in the plain `cargo test` output.
+#[allow(dead_code)]
+fn say_out_loud(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
