@@ -8,10 +8,10 @@
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use ndarray::{ArrayBase, Data, Dimension};
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{Dims, Options};
-use ssd_verify::fixture::Outputs;
+use ssd_verify::fixture::{Dtype, Outputs};
+use ssd_verify::tolerance::{self, Oracle, OutputName};
 use ssd_verify::VerifyError;
 
 use super::run::{fmt_ms, ms};
@@ -39,9 +39,9 @@ struct Path {
     label: &'static str,
     imp: Impl,
     precision: Precision,
-    /// The largest normwise relative error that counts as agreement.
-    limit: f64,
-    /// Why the limit is what it is, in words.
+    /// The arithmetic whose error bound (docs/tolerances.md) the result must stay within.
+    bound: tolerance::Precision,
+    /// Which rounding the bound allows, in words.
     why: &'static str,
 }
 
@@ -117,22 +117,22 @@ fn paths() -> Vec<Path> {
             label: "chunked f64",
             imp: Impl::Chunked,
             precision: Precision::F64,
-            limit: 1e-12,
-            why: "same function, float64 rounding only",
+            bound: tolerance::Precision::F64,
+            why: "float64 rounding",
         },
         Path {
             label: "chunked f32",
             imp: Impl::Chunked,
             precision: Precision::F32,
-            limit: 1e-4,
+            bound: tolerance::Precision::F32,
             why: "float32 rounding",
         },
         Path {
             label: "chunked tf32",
             imp: Impl::Chunked,
             precision: Precision::Tf32,
-            limit: 1e-2,
-            why: "TF32 rounding of the matrix products",
+            bound: tolerance::Precision::Tf32,
+            why: "TF32 operands",
         },
     ];
     if gpu_available().is_ok() {
@@ -140,38 +140,11 @@ fn paths() -> Vec<Path> {
             label: "gpu tf32",
             imp: Impl::Gpu,
             precision: Precision::Tf32,
-            limit: 1e-2,
+            bound: tolerance::Precision::Tf32,
             why: "TF32 tensor cores",
         });
     }
     paths
-}
-
-/// `||a - b|| / ||b||` (Frobenius norms; `||a - b||` when `b` is all zeros) and
-/// `max |a - b|`. NaN anywhere in `a` gives NaN.
-fn compare<S, T, D>(a: &ArrayBase<S, D>, b: &ArrayBase<T, D>) -> (f64, f64)
-where
-    S: Data<Elem = f64>,
-    T: Data<Elem = f64>,
-    D: Dimension,
-{
-    let (mut diff2, mut ref2, mut max) = (0.0f64, 0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b.iter()) {
-        let d = x - y;
-        diff2 += d * d;
-        ref2 += y * y;
-        max = if d.is_nan() || max.is_nan() {
-            f64::NAN
-        } else {
-            max.max(d.abs())
-        };
-    }
-    let rel = if ref2 > 0.0 {
-        (diff2 / ref2).sqrt()
-    } else {
-        diff2.sqrt()
-    };
-    (rel, max)
 }
 
 fn describe_dims(spec: &ProblemSpec) -> String {
@@ -284,7 +257,9 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         let problem = random_problem(&shape.spec, shape.seed)
             .map_err(|e| VerifyError::Usage(format!("built-in shape `{}`: {e}", shape.title)))?;
         pb.set_message(format!("{}: naive f64", shape.title));
-        let (truth, truth_time) = compute(&Prepared::F64(&problem), Impl::Naive, Precision::F64)?;
+        let (_, truth_time) = compute(&Prepared::F64(&problem), Impl::Naive, Precision::F64)?;
+        // The float64 reference and the magnitudes its error bounds are built from.
+        let oracle = Oracle::new(&problem);
         pb.inc(1);
 
         let mut rows = Vec::new();
@@ -293,7 +268,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
             let prepared = Prepared::new(&problem, path.precision);
             let (result, took) = compute(&prepared, path.imp, path.precision)?;
             pb.inc(1);
-            rows.push((path, took, verdict(&result, &truth, path.limit)));
+            rows.push((path, took, verdict(&result, &oracle, path)?));
         }
 
         pb.suspend(|| {
@@ -302,8 +277,8 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
             println!("      {}", describe_dims(&shape.spec));
             println!("      options: {}", describe_options(&shape.spec));
             println!(
-                "      {:<14} {:>10}   {:>9} {:>9}   {:>9} {:>9}   verdict",
-                "path", "time", "out rel", "max abs", "final rel", "max abs"
+                "      {:<14} {:>10}   {:>9} {:>9}   {:>9} {:>9}   {:>11}   verdict",
+                "path", "time", "out rel", "max abs", "final rel", "max abs", "err/bound"
             );
             println!(
                 "      {:<14} {:>7} ms   (the truth)",
@@ -313,14 +288,15 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
             for (path, took, v) in &rows {
                 let word = if v.agrees { "agrees" } else { "DISAGREES" };
                 println!(
-                    "      {:<14} {:>7} ms   {:>9.1e} {:>9.1e}   {:>9.1e} {:>9.1e}   {word} (rel err < {:.0e}: {})",
+                    "      {:<14} {:>7} ms   {:>9.1e} {:>9.1e}   {:>9.1e} {:>9.1e}   {:>11.2}   {word} (every element within the {} bound: {})",
                     path.label,
                     fmt_ms(ms(*took)),
                     v.out.0,
                     v.out.1,
                     v.final_states.0,
                     v.final_states.1,
-                    path.limit,
+                    v.worst_ratio,
+                    path.bound,
                     path.why,
                 );
             }
@@ -338,8 +314,8 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     if disagreements.is_empty() {
         println!(
             "All {compared} comparisons agree: the chunked jump formula (the algorithm of the GPU kernels) computes the same\n\
-             function as the token-by-token recurrence, to float64 rounding, and its float32 and TF32 versions stay within\n\
-             the rounding error of their arithmetic, on every shape and option above."
+             function as the token-by-token recurrence: every element of `out` and `final_states` stays within the error\n\
+             bound of its arithmetic (float64, float32, TF32; docs/tolerances.md), on every shape and option above."
         );
         println!();
         println!("Next: `ssd-oracle run --help` computes your own case (docs/fixture-format.md, docs/pytorch.md);");
@@ -356,39 +332,38 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
 }
 
 struct Verdict {
+    /// Normwise relative error and max abs error of `out`.
     out: (f64, f64),
+    /// The same for `final_states`.
     final_states: (f64, f64),
+    /// The largest error/bound ratio over both tensors (above 1: outside the bound).
+    worst_ratio: f64,
     agrees: bool,
 }
 
-fn verdict(result: &Outputs<f64>, truth: &Outputs<f64>, limit: f64) -> Verdict {
-    let out = compare(&result.out, &truth.out);
-    let final_states = compare(&result.final_states, &truth.final_states);
-    // `<=` is false for NaN, so a NaN anywhere disagrees.
-    let agrees = out.0 <= limit && final_states.0 <= limit;
-    Verdict {
-        out,
-        final_states,
-        agrees,
-    }
+/// Checks `out` and `final_states` element by element against the error bound of the path's
+/// arithmetic (the model of docs/tolerances.md, the one `ssd-oracle check` applies).
+fn verdict(result: &Outputs<f64>, oracle: &Oracle, path: &Path) -> Result<Verdict, VerifyError> {
+    let stored = match path.precision {
+        Precision::F64 => Dtype::F64,
+        Precision::F32 | Precision::Tf32 => Dtype::F32,
+    };
+    let check = |name, a: &ndarray::Array4<f64>| {
+        oracle.compare(name, &a.clone().into_dyn(), stored, path.bound)
+    };
+    let out = check(OutputName::Out, &result.out)?;
+    let fin = check(OutputName::FinalStates, &result.final_states)?;
+    Ok(Verdict {
+        out: (out.rel_l2, out.max_abs_error),
+        final_states: (fin.rel_l2, fin.max_abs_error),
+        worst_ratio: out.max_ratio().max(fin.max_ratio()),
+        agrees: out.passed() && fin.passed(),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ndarray::array;
-
-    #[test]
-    fn compare_measures_relative_and_absolute() {
-        let truth = array![3.0, 4.0];
-        let (rel, max) = compare(&array![3.0, 4.5], &truth);
-        assert!((rel - 0.1).abs() < 1e-15);
-        assert_eq!(max, 0.5);
-        let (rel, max) = compare(&array![f64::NAN, 4.0], &truth);
-        assert!(rel.is_nan() && max.is_nan());
-        let (rel, _) = compare(&array![0.0, 2.0], &array![0.0, 0.0]);
-        assert_eq!(rel, 2.0);
-    }
 
     #[test]
     fn every_built_in_shape_is_valid() {
