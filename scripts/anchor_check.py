@@ -115,8 +115,11 @@ def main():
             result = run_triton(manifest, t, drop, args.device)
             if drop is None:
                 correct = result
-            elif all(torch.equal(result[k], correct[k]) for k in ("out", "final_states")):
-                # e.g. initial_states dropped where seq_idx starts above 0: nothing changes
+            elif all(torch.allclose(result[k], correct[k], rtol=1e-6, atol=0.0)
+                     for k in ("out", "final_states")):
+                # The wrong option changes nothing beyond float32 rounding here: e.g.
+                # initial_states dropped where seq_idx starts above 0, or softplus dropped where
+                # every dt + dt_bias is far above 0 (softplus(v) = v to float32 precision).
                 print(f"n/a  {stem:32s} {drop + ' wrong':22s} (no effect on this case)")
                 continue
             save_file(result, cand)
