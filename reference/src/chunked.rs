@@ -18,9 +18,9 @@ use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::{chunk_cumsum, ChunkCumsum};
-use crate::compute_out::{compute_out, out_block, OutScratch};
+use crate::compute_out::{compute_out, out_block, transpose_into, HeadStates, OutScratch};
 use crate::flat::Flat;
-use crate::fwd_pass_state::{fwd_pass_state, local_state_with_x, pass_scale, StateScratch};
+use crate::fwd_pass_state::{fwd_pass_state, local_state_t, pass_scale, StateScratch};
 use crate::{MatmulPrecision, Output, Problem, Real};
 
 /// How [`forward_with`] orders the work of stages 2 and 3 (stage 1 always runs first).
@@ -132,40 +132,56 @@ fn fused_forward<T: Real>(
         .zip(states)
         .zip(fins)
         .enumerate()
-        .for_each(|(bg, ((mut o, mut st), run))| {
+        .for_each(|(bg, ((mut o, mut st), fin))| {
             let (b, g) = (bg / d.ngroups, bg % d.ngroups);
-            // `run` holds the states entering the current chunk of the group's heads.
+            // `run_t` holds the transposed states entering the current chunk of the group's
+            // heads: [hpg, dstate, headdim], the layout the carried term's product reads.
+            let mut run_t = vec![T::zero(); hpg * n];
             if let Some(s0) = &p.inputs().initial_states {
-                let s0 = s0.slice(s![b, g * hpg..(g + 1) * hpg, .., ..]);
-                run.iter_mut().zip(s0.iter()).for_each(|(r, &v)| *r = v);
+                for (hh, rt) in run_t.chunks_exact_mut(n).enumerate() {
+                    let s0 = s0.slice(s![b, g * hpg + hh, .., ..]);
+                    rt.iter_mut().zip(s0.t().iter()).for_each(|(r, &v)| *r = v);
+                }
             }
             let mut out_sc = OutScratch::default();
             let mut st_sc = StateScratch::default();
-            let mut local = vec![T::zero(); n];
+            let mut local_t = vec![T::zero(); n];
             let mut seq_prev = 0i64;
             for c in 0..nc {
                 let mut entering = st.index_axis_mut(Axis(0), c);
-                entering
+                let entering = entering
                     .as_slice_mut()
-                    .expect("the heads of a group are contiguous")
-                    .copy_from_slice(run);
+                    .expect("the heads of a group are contiguous");
+                for (hh, dst) in entering.chunks_exact_mut(n).enumerate() {
+                    transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
+                }
                 let t0 = c * cs;
-                let mut block = o.slice_mut(s![t0..t0 + p.chunk_len(c), .., ..]);
-                out_block(&f, (b, c, g), run, &mut block, &mut out_sc);
-                let mut seq_new = seq_prev;
                 let l = p.chunk_len(c);
-                for (hh, run_h) in run.chunks_exact_mut(n).enumerate() {
+                let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
+                out_block(
+                    &f,
+                    (b, c, g),
+                    HeadStates::Transposed(&run_t),
+                    &mut block,
+                    &mut out_sc,
+                );
+                let mut seq_new = seq_prev;
+                for (hh, run_h) in run_t.chunks_exact_mut(n).enumerate() {
                     let h = g * hpg + hh;
                     // x_c as out_block left it for this head
                     let x_c = &out_sc.x_copy[hh * l * d.headdim..(hh + 1) * l * d.headdim];
-                    local_state_with_x(&f, (b, c, h), x_c, &mut st_sc, &mut local);
+                    let b_t = &out_sc.b_t[..d.dstate * l];
+                    local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, &mut local_t);
                     let (scale, seq) = pass_scale(&f, (b, h, c), seq_prev);
                     seq_new = seq;
-                    for (r, &own) in run_h.iter_mut().zip(&local) {
+                    for (r, &own) in run_h.iter_mut().zip(&local_t) {
                         *r = scale.mul_add(*r, own);
                     }
                 }
                 seq_prev = seq_new;
+            }
+            for (hh, dst) in fin.chunks_exact_mut(n).enumerate() {
+                transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
             }
         });
     ChunkedOutput {

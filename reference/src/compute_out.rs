@@ -41,7 +41,10 @@ use crate::{MatmulPrecision, Problem, Real};
 pub(crate) struct OutScratch<T> {
     seq: Vec<i64>,
     c_copy: Vec<T>,
-    b_t: Vec<T>,
+    /// `B_c^T` (`dstate x L`), not rounded.
+    pub(crate) b_t: Vec<T>,
+    /// `B_c^T` rounded to TF32 (only under [`MatmulPrecision::Tf32`]).
+    b_t_r: Vec<T>,
     gm: Vec<T>,
     lmat: Vec<T>,
     s_t: Vec<T>,
@@ -194,7 +197,7 @@ pub fn compute_out<T: Real>(
             out_block(
                 &f,
                 (b, c, g),
-                &states_flat[off..off + hpg * hd * ds],
+                HeadStates::Rows(&states_flat[off..off + hpg * hd * ds]),
                 &mut block,
                 sc,
             );
@@ -202,13 +205,23 @@ pub fn compute_out<T: Real>(
     out
 }
 
+/// The states entering a chunk of a group's heads, as [`out_block`] receives them.
+#[derive(Clone, Copy)]
+pub(crate) enum HeadStates<'a, T> {
+    /// `[hpg, headdim, dstate]`, row-major (the layout of `chunk_states`).
+    Rows(&'a [T]),
+    /// `[hpg, dstate, headdim]`, row-major: each head's `S_c^T`, which the carried term's
+    /// product reads without a transpose.
+    Transposed(&'a [T]),
+}
+
 /// The output block `out[b, t0..t0 + L, heads of group g, :]` of chunk `c` (see the module
-/// documentation), given the states entering the chunk of the group's heads (`[hpg, headdim,
-/// dstate]`, row-major).
+/// documentation), given the states entering the chunk of the group's heads. On return
+/// `sc.b_t` holds `B_c^T` (not rounded) and `sc.x_copy` every head's `x_c`.
 pub(crate) fn out_block<T: Real>(
     f: &Flat<'_, T>,
     (b, c, g): (usize, usize, usize),
-    states: &[T],
+    states: HeadStates<'_, T>,
     block: &mut ArrayViewMut3<'_, T>,
     sc: &mut OutScratch<T>,
 ) {
@@ -234,10 +247,15 @@ pub(crate) fn out_block<T: Real>(
     }
     let b_t = scratch(&mut sc.b_t, ds * l);
     transpose_into((l, ds), f.b(), bc_off, bc_rs, b_t);
-    if tf32 {
+    let b_t: &[T] = if tf32 {
         round_all(c_copy);
-        round_all(b_t);
-    }
+        let b_t_r = scratch(&mut sc.b_t_r, ds * l);
+        b_t_r.copy_from_slice(b_t);
+        round_all(b_t_r);
+        b_t_r
+    } else {
+        b_t
+    };
     let c_c = Mat::rows(c_copy, ds);
     // G = C_c B_c^T, on and below the diagonal (the rest is never read).
     let gm = scratch(&mut sc.gm, l * l);
@@ -257,7 +275,7 @@ pub(crate) fn out_block<T: Real>(
         lmat.fill(T::zero());
         sc.lmat_len = l;
     }
-    let s_t = scratch(&mut sc.s_t, ds * hd);
+    let s_t_buf = scratch(&mut sc.s_t, ds * hd);
     let y = scratch(&mut sc.y, l * hd);
     let x_copies = scratch(&mut sc.x_copy, hpg * l * hd);
     let e = scratch(&mut sc.e, l);
@@ -268,10 +286,25 @@ pub(crate) fn out_block<T: Real>(
         let h = g * hpg + hh;
         let (cum, dt) = f.cum_dt(b, h, c);
         // Carried state: Y = diag(e) (C_c S_c^T), S_c^T as a (rounded) copy.
-        transpose_into((hd, ds), states, hh * hd * ds, ds, s_t);
-        if tf32 {
-            round_all(s_t);
-        }
+        let s_t: &[T] = match states {
+            HeadStates::Rows(s) => {
+                transpose_into((hd, ds), s, hh * hd * ds, ds, s_t_buf);
+                if tf32 {
+                    round_all(s_t_buf);
+                }
+                &*s_t_buf
+            }
+            HeadStates::Transposed(s) => {
+                let s = &s[hh * ds * hd..(hh + 1) * ds * hd];
+                if tf32 {
+                    s_t_buf.copy_from_slice(s);
+                    round_all(s_t_buf);
+                    &*s_t_buf
+                } else {
+                    s
+                }
+            }
+        };
         gemm(
             (l, hd, ds),
             c_c,

@@ -137,23 +137,13 @@ pub(crate) fn local_state_with_x<T: Real>(
     let g = d.group_of_head(h);
     let t0 = c * p.options().chunk_size;
     let l = p.chunk_len(c);
-    let (cum, dt) = f.cum_dt(b, h, c);
-    let seq_last = p.seq_idx_at(b, t0 + l - 1);
-    // w_j = exp(cs_last - cs_j) * dt'_j (0 for another sequence)
     let w = scratch(&mut sc.w, l);
-    for (wj, &cj) in w.iter_mut().zip(cum) {
-        *wj = cum[l - 1] - cj;
-    }
-    T::exp_all(w);
+    masked_weights(f, (b, c, h), w);
     // diag(w) B_c, L x dstate
     let wb = scratch(&mut sc.wb, l * ds);
     let b_flat = f.b();
     for (j, row) in wb.chunks_exact_mut(ds).enumerate() {
-        let wj = if p.seq_idx_at(b, t0 + j) == seq_last {
-            w[j] * dt[j]
-        } else {
-            T::zero()
-        };
+        let wj = w[j];
         let off = f.bc_off(b, t0 + j, g);
         for (o, &v) in row.iter_mut().zip(&b_flat[off..off + ds]) {
             *o = v * wj;
@@ -175,6 +165,65 @@ pub(crate) fn local_state_with_x<T: Real>(
         Mat::rows(wb, ds),
         out,
         ds,
+        false,
+        Tri::Full,
+    );
+}
+
+/// `w[j] = exp(cs_last - cs_j) * dt'_j`, or 0 for a token of another sequence than the last
+/// one of the chunk (row `b`, chunk `c`, head `h`).
+fn masked_weights<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize), w: &mut [T]) {
+    let p = f.p;
+    let t0 = c * p.options().chunk_size;
+    let l = p.chunk_len(c);
+    let (cum, dt) = f.cum_dt(b, h, c);
+    let seq_last = p.seq_idx_at(b, t0 + l - 1);
+    for (wj, &cj) in w.iter_mut().zip(cum) {
+        *wj = cum[l - 1] - cj;
+    }
+    T::exp_all(w);
+    for (j, (wj, &dj)) in w.iter_mut().zip(dt).enumerate() {
+        *wj = if p.seq_idx_at(b, t0 + j) == seq_last {
+            *wj * dj
+        } else {
+            T::zero()
+        };
+    }
+}
+
+/// [`local_state_with_x`] transposed: `out_t = states_c^T` (`dstate x headdim`, row-major),
+/// given `B_c^T` (`dstate x L`, not rounded) and `x_c` as [`copy_x_c`] makes it. Every entry
+/// is the same fused multiply-add chain as in [`local_state_with_x`] (`diag(w) B_c` has the
+/// same entries, the sum runs over the tokens in the same order), so the bits are the same.
+pub(crate) fn local_state_t<T: Real>(
+    f: &Flat<'_, T>,
+    (b, c, h): (usize, usize, usize),
+    b_t: &[T],
+    x_c: &[T],
+    sc: &mut StateScratch<T>,
+    out_t: &mut [T],
+) {
+    let d = *f.p.dims();
+    let (hd, ds) = (d.headdim, d.dstate);
+    let l = f.p.chunk_len(c);
+    let w = scratch(&mut sc.w, l);
+    masked_weights(f, (b, c, h), w);
+    // (diag(w) B_c)^T, dstate x L
+    let wbt = scratch(&mut sc.wb, ds * l);
+    for (dst, src) in wbt.chunks_exact_mut(l).zip(b_t.chunks_exact(l)) {
+        for ((o, &v), &wj) in dst.iter_mut().zip(src).zip(w.iter()) {
+            *o = v * wj;
+        }
+    }
+    if f.tf32 {
+        round_all(wbt);
+    }
+    gemm(
+        (ds, hd, l),
+        Mat::rows(wbt, l),
+        Mat::rows(x_c, hd),
+        out_t,
+        hd,
         false,
         Tri::Full,
     );
