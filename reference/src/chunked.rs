@@ -14,6 +14,8 @@
 //! `Fused` sweeps the chunks of one (batch, group) in order, doing stage 2 and stage 3 of a
 //! chunk while its data is in cache, parallel over (batch, group). The second moves about a
 //! third of the memory traffic of the first.
+use std::mem::MaybeUninit;
+
 use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, Axis};
 use rayon::prelude::*;
 
@@ -21,6 +23,7 @@ use crate::chunk_cumsum::{chunk_cumsum, ChunkCumsum};
 use crate::compute_out::{compute_out, out_block, transpose_into, HeadStates, OutScratch};
 use crate::flat::Flat;
 use crate::fwd_pass_state::{fwd_pass_state, local_state_t, pass_scale, StateScratch};
+use crate::prefetch;
 use crate::{MatmulPrecision, Output, Problem, Real};
 
 /// How [`forward_with`] orders the work of stages 2 and 3 (stage 1 always runs first).
@@ -107,18 +110,18 @@ fn fused_forward<T: Real>(
     let hpg = d.heads_per_group();
     let n = d.headdim * d.dstate;
     let f = Flat::new(p, &cumsum, precision);
-    let mut out: Array4<T> = crate::par_zeros((d.batch, d.seqlen, d.nheads, d.headdim));
-    let mut chunk_states: Array5<T> =
-        crate::par_zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
+    // Not zeroed: the sweep below writes every entry of both exactly once (see the end).
+    let mut out = Array4::<T>::uninit((d.batch, d.seqlen, d.nheads, d.headdim));
+    let mut chunk_states = Array5::<T>::uninit((d.batch, nc, d.nheads, d.headdim, d.dstate));
     let mut final_states = Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate));
     // Per (b, g): out[b, :, heads of g, :], chunk_states[b, :, heads of g], final_states[b,
     // heads of g] (contiguous: [hpg, headdim, dstate]).
-    let outs: Vec<ArrayViewMut3<T>> = out
+    let outs: Vec<ArrayViewMut3<MaybeUninit<T>>> = out
         .view_mut()
         .into_outer_iter_mut()
         .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(1), hpg))
         .collect();
-    let states: Vec<ArrayViewMut4<T>> = chunk_states
+    let states: Vec<ArrayViewMut4<MaybeUninit<T>>> = chunk_states
         .view_mut()
         .into_outer_iter_mut()
         .flat_map(|sb| sb.into_axis_chunks_iter_mut(Axis(1), hpg))
@@ -157,6 +160,17 @@ fn fused_forward<T: Real>(
                 }
                 let t0 = c * cs;
                 let l = p.chunk_len(c);
+                if c + 1 < nc {
+                    // the next chunk's rows of C, B and x, while this chunk computes
+                    let (t1, l1) = (t0 + cs, p.chunk_len(c + 1));
+                    let bc_rs = d.ngroups * d.dstate;
+                    let bc = f.bc_off(b, t1, g);
+                    prefetch::rows(f.c(), bc, bc_rs, l1, d.dstate);
+                    prefetch::rows(f.b(), bc, bc_rs, l1, d.dstate);
+                    let x_rs = d.nheads * d.headdim;
+                    let xo = f.x_off(b, t1, g * hpg);
+                    prefetch::rows(f.x(), xo, x_rs, l1, hpg * d.headdim);
+                }
                 let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
                 out_block(
                     &f,
@@ -184,6 +198,17 @@ fn fused_forward<T: Real>(
                 transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
             }
         });
+    // SAFETY: every entry of `out` and `chunk_states` has been written. The (batch, group)
+    // pairs partition both (`outs` and `states` above split them along batch and, within a
+    // batch, into the heads of each group). For its pair, the sweep writes, for every chunk
+    // `c` in `0..nchunks`: `chunk_states[b, c, heads of g]` entire (the transposes of the
+    // `hpg` states `run_t`, each `dstate x headdim` into `headdim x dstate`, which cover the
+    // contiguous slice `entering`), and `out[b, t0..t0 + L, heads of g, :]` entire
+    // (`out_block` sets every (row, head, channel) of its block). The chunks' row ranges
+    // `t0..t0 + L` cover `0..seqlen`. `for_each` returns only once every pair is done; had
+    // one panicked, the panic would have propagated before this point and the arrays would
+    // have been dropped as `MaybeUninit` (nothing read).
+    let (out, chunk_states) = unsafe { (out.assume_init(), chunk_states.assume_init()) };
     ChunkedOutput {
         out,
         final_states,

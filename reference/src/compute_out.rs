@@ -67,54 +67,52 @@ pub(crate) fn scratch<T: Real>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 }
 
 /// `dst[k * rows + r] = src[off + r * rs + k]` for `r < rows`, `k < cols`: the transpose of a
-/// `rows x cols` block with row stride `rs`, by 8 x 8 tiles (contiguous 8-wide loads and
-/// stores; the edges entry by entry).
-pub(crate) fn transpose_into<T: Real>(
+/// `rows x cols` block with row stride `rs`, by 4 x 4 tiles (contiguous 4-wide loads and
+/// stores; the edges entry by entry). `dst` may be memory not yet written ([`Cell`]).
+pub(crate) fn transpose_into<T: Real, O: Cell<T>>(
     (rows, cols): (usize, usize),
     src: &[T],
     off: usize,
     rs: usize,
-    dst: &mut [T],
+    dst: &mut [O],
 ) {
-    const TB: usize = 8;
+    const TB: usize = 4;
     let dst = &mut dst[..rows * cols];
     let (full_r, full_k) = (rows / TB * TB, cols / TB * TB);
     for r0 in (0..full_r).step_by(TB) {
         for k0 in (0..full_k).step_by(TB) {
-            transpose_tile::<T, TB>(src, off + r0 * rs + k0, rs, dst, k0 * rows + r0, rows);
+            transpose_tile::<T, O, TB>(src, off + r0 * rs + k0, rs, dst, k0 * rows + r0, rows);
         }
     }
     for r in 0..rows {
         let k_start = if r < full_r { full_k } else { 0 };
         for k in k_start..cols {
-            dst[k * rows + r] = src[off + r * rs + k];
+            dst[k * rows + r].set(src[off + r * rs + k]);
         }
     }
 }
 
-/// One `N x N` tile: `dst[d_off + j * d_rs + i] = src[s_off + i * s_rs + j]`.
+/// One `N x N` tile: `dst[d_off + j * d_rs + i] = src[s_off + i * s_rs + j]`. The rows are
+/// read into registers as arrays and written out as arrays built column by column, the shape
+/// in which LLVM emits vector shuffles (an `N x N` scratch array went through the stack).
 #[inline(always)]
-#[allow(clippy::needless_range_loop)]
-fn transpose_tile<T: Real, const N: usize>(
+fn transpose_tile<T: Real, O: Cell<T>, const N: usize>(
     src: &[T],
     s_off: usize,
     s_rs: usize,
-    dst: &mut [T],
+    dst: &mut [O],
     d_off: usize,
     d_rs: usize,
 ) {
-    let mut t = [[T::zero(); N]; N];
-    for i in 0..N {
-        let row: &[T; N] = src[s_off + i * s_rs..][..N].try_into().expect("N entries");
-        for j in 0..N {
-            t[j][i] = row[j];
-        }
-    }
+    let rows: [[T; N]; N] =
+        std::array::from_fn(|i| src[s_off + i * s_rs..][..N].try_into().expect("N entries"));
     for j in 0..N {
-        let out: &mut [T; N] = (&mut dst[d_off + j * d_rs..][..N])
+        let out: &mut [O; N] = (&mut dst[d_off + j * d_rs..][..N])
             .try_into()
             .expect("N entries");
-        *out = t[j];
+        for (i, o) in out.iter_mut().enumerate() {
+            o.set(rows[i][j]);
+        }
     }
 }
 
@@ -205,6 +203,26 @@ pub fn compute_out<T: Real>(
     out
 }
 
+/// An entry of an output: `T` itself, or a `MaybeUninit<T>` that the fused schedule writes
+/// exactly once (its outputs are not zeroed first).
+pub(crate) trait Cell<T>: Sized {
+    fn set(&mut self, v: T);
+}
+
+impl<T: Real> Cell<T> for T {
+    #[inline(always)]
+    fn set(&mut self, v: T) {
+        *self = v;
+    }
+}
+
+impl<T: Real> Cell<T> for std::mem::MaybeUninit<T> {
+    #[inline(always)]
+    fn set(&mut self, v: T) {
+        self.write(v);
+    }
+}
+
 /// The states entering a chunk of a group's heads, as [`out_block`] receives them.
 #[derive(Clone, Copy)]
 pub(crate) enum HeadStates<'a, T> {
@@ -218,11 +236,11 @@ pub(crate) enum HeadStates<'a, T> {
 /// The output block `out[b, t0..t0 + L, heads of group g, :]` of chunk `c` (see the module
 /// documentation), given the states entering the chunk of the group's heads. On return
 /// `sc.b_t` holds `B_c^T` (not rounded) and `sc.x_copy` every head's `x_c`.
-pub(crate) fn out_block<T: Real>(
+pub(crate) fn out_block<T: Real, O: Cell<T>>(
     f: &Flat<'_, T>,
     (b, c, g): (usize, usize, usize),
     states: HeadStates<'_, T>,
-    block: &mut ArrayViewMut3<'_, T>,
+    block: &mut ArrayViewMut3<'_, O>,
     sc: &mut OutScratch<T>,
 ) {
     let p = f.p;
@@ -362,12 +380,18 @@ pub(crate) fn out_block<T: Real>(
             let off = x_off + r * x_rs;
             let x_row = &x_flat[off..off + hd];
             let orow = orow.as_slice_mut().expect("rows of out are contiguous");
-            for (((ov, &yv), &dv), &xv) in orow.iter_mut().zip(yrow).zip(d_skip.iter()).zip(x_row) {
-                *ov = yv + dv * xv;
-            }
-            if let Some(z) = f.z() {
-                for (ov, &zv) in orow.iter_mut().zip(&z[off..off + hd]) {
-                    *ov = gate(*ov, zv);
+            let skip = yrow.iter().zip(d_skip.iter()).zip(x_row);
+            match f.z() {
+                None => {
+                    for (ov, ((&yv, &dv), &xv)) in orow.iter_mut().zip(skip) {
+                        ov.set(yv + dv * xv);
+                    }
+                }
+                Some(z) => {
+                    let skip = skip.zip(&z[off..off + hd]);
+                    for (ov, (((&yv, &dv), &xv), &zv)) in orow.iter_mut().zip(skip) {
+                        ov.set(gate(yv + dv * xv, zv));
+                    }
                 }
             }
         }

@@ -26,6 +26,7 @@ mod flat;
 pub mod fwd_pass_state;
 mod gemm;
 pub mod naive;
+mod prefetch;
 pub mod problem;
 pub mod random;
 pub mod tf32;
