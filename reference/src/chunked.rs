@@ -170,6 +170,17 @@ fn fused_forward<T: Real>(
                     let x_rs = d.nheads * d.headdim;
                     let xo = f.x_off(b, t1, g * hpg);
                     prefetch::rows(f.x(), xo, x_rs, l1, hpg * d.headdim);
+                    // and the lines the next chunk writes: its rows of out, its entering states
+                    for t in t1..t1 + l1 {
+                        let row = o.index_axis(Axis(0), t);
+                        if let Some(row) = row.as_slice() {
+                            prefetch::rows(row, 0, 0, 1, row.len());
+                        }
+                    }
+                    let next = st.index_axis(Axis(0), c + 1);
+                    if let Some(next) = next.as_slice() {
+                        prefetch::rows(next, 0, 0, 1, next.len());
+                    }
                 }
                 let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
                 out_block(
