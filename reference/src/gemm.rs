@@ -5,7 +5,7 @@
 //! dstate)` and sit in cache; a general-purpose GEMM spends as much time re-packing such
 //! operands as multiplying them. This one reads them in place: it walks `c` in register tiles
 //! of 4 rows by three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
-//! accumulators), then one vector, broadcasting `a[i, k]` and loading `b[k, j..j + NR]`, which
+//! accumulators), then two vectors, then one vector, broadcasting `a[i, k]` and loading `b[k, j..j + NR]`, which
 //! LLVM compiles to FMA vector code.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
