@@ -97,6 +97,9 @@ pub fn forward_with<T: Real>(
     }
 }
 
+/// Slices in which the fused schedule prefetches the next chunk's rows.
+const PF_STEPS: usize = 6;
+
 /// [`Schedule::Fused`]: the arithmetic of the stage functions (the same building blocks in the
 /// same order for every value), swept chunk by chunk per (batch, group).
 fn fused_forward<T: Real>(
@@ -151,44 +154,56 @@ fn fused_forward<T: Real>(
             let mut local_t = vec![T::zero(); n];
             let mut seq_prev = 0i64;
             for c in 0..nc {
-                let mut entering = st.index_axis_mut(Axis(0), c);
+                let t0 = c * cs;
+                let l = p.chunk_len(c);
+                let (mut st_cur, st_next) = st.view_mut().split_at(Axis(0), c + 1);
+                let mut entering = st_cur.index_axis_mut(Axis(0), c);
                 let entering = entering
                     .as_slice_mut()
                     .expect("the heads of a group are contiguous");
                 for (hh, dst) in entering.chunks_exact_mut(n).enumerate() {
                     transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
                 }
-                let t0 = c * cs;
-                let l = p.chunk_len(c);
-                if c + 1 < nc {
-                    // the next chunk's rows of C, B and x, while this chunk computes
+                let (mut o_cur, o_next) = o.view_mut().split_at(Axis(0), t0 + l);
+                // Prefetches of what the next chunk reads (its rows of C, B, x) and writes
+                // (its rows of out, its entering states), in PF_STEPS slices of its rows
+                // issued between this chunk's products: all at once, they queued up behind
+                // the cache's outstanding misses and stalled the core.
+                let mut step = 0;
+                let mut prefetch_step = || {
+                    if c + 1 >= nc || step >= PF_STEPS {
+                        return;
+                    }
                     let (t1, l1) = (t0 + cs, p.chunk_len(c + 1));
+                    let (r0, r1) = (step * l1 / PF_STEPS, (step + 1) * l1 / PF_STEPS);
+                    step += 1;
                     let bc_rs = d.ngroups * d.dstate;
-                    let bc = f.bc_off(b, t1, g);
-                    prefetch::rows(f.c(), bc, bc_rs, l1, d.dstate);
-                    prefetch::rows(f.b(), bc, bc_rs, l1, d.dstate);
+                    let bc = f.bc_off(b, t1 + r0, g);
+                    prefetch::rows(f.c(), bc, bc_rs, r1 - r0, d.dstate);
+                    prefetch::rows(f.b(), bc, bc_rs, r1 - r0, d.dstate);
                     let x_rs = d.nheads * d.headdim;
-                    let xo = f.x_off(b, t1, g * hpg);
-                    prefetch::rows(f.x(), xo, x_rs, l1, hpg * d.headdim);
-                    // and the lines the next chunk writes: its rows of out, its entering states
-                    for t in t1..t1 + l1 {
-                        let row = o.index_axis(Axis(0), t);
+                    let xo = f.x_off(b, t1 + r0, g * hpg);
+                    prefetch::rows(f.x(), xo, x_rs, r1 - r0, hpg * d.headdim);
+                    for r in r0..r1 {
+                        let row = o_next.index_axis(Axis(0), r);
                         if let Some(row) = row.as_slice() {
                             prefetch::rows(row, 0, 0, 1, row.len());
                         }
                     }
-                    let next = st.index_axis(Axis(0), c + 1);
+                    let next = st_next.index_axis(Axis(0), 0);
                     if let Some(next) = next.as_slice() {
-                        prefetch::rows(next, 0, 0, 1, next.len());
+                        let (a, e) = (r0 * next.len() / l1, r1 * next.len() / l1);
+                        prefetch::rows(&next[a..e], 0, 0, 1, e - a);
                     }
-                }
-                let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
+                };
+                let mut block = o_cur.slice_mut(s![t0.., .., ..]);
                 out_block(
                     &f,
                     (b, c, g),
                     HeadStates::Transposed(&run_t),
                     &mut block,
                     &mut out_sc,
+                    &mut prefetch_step,
                 );
                 let mut seq_new = seq_prev;
                 for (hh, run_h) in run_t.chunks_exact_mut(n).enumerate() {
@@ -199,9 +214,13 @@ fn fused_forward<T: Real>(
                     local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, &mut local_t);
                     let (scale, seq) = pass_scale(&f, (b, h, c), seq_prev);
                     seq_new = seq;
+                    prefetch_step();
                     for (r, &own) in run_h.iter_mut().zip(&local_t) {
                         *r = scale.mul_add(*r, own);
                     }
+                }
+                for _ in 0..PF_STEPS {
+                    prefetch_step();
                 }
                 seq_prev = seq_new;
             }

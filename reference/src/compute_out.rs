@@ -198,6 +198,7 @@ pub fn compute_out<T: Real>(
                 HeadStates::Rows(&states_flat[off..off + hpg * hd * ds]),
                 &mut block,
                 sc,
+                &mut || {},
             );
         });
     out
@@ -235,13 +236,16 @@ pub(crate) enum HeadStates<'a, T> {
 
 /// The output block `out[b, t0..t0 + L, heads of group g, :]` of chunk `c` (see the module
 /// documentation), given the states entering the chunk of the group's heads. On return
-/// `sc.b_t` holds `B_c^T` (not rounded) and `sc.x_copy` every head's `x_c`.
+/// `sc.b_t` holds `B_c^T` (not rounded) and `sc.x_copy` every head's `x_c`. `between` is
+/// called between the steps (after each product): the fused schedule issues its prefetches
+/// there, a few at a time.
 pub(crate) fn out_block<T: Real, O: Cell<T>>(
     f: &Flat<'_, T>,
     (b, c, g): (usize, usize, usize),
     states: HeadStates<'_, T>,
     block: &mut ArrayViewMut3<'_, O>,
     sc: &mut OutScratch<T>,
+    between: &mut dyn FnMut(),
 ) {
     let p = f.p;
     let d = *p.dims();
@@ -286,6 +290,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         false,
         Tri::LowerC,
     );
+    between();
 
     // Lmat is only ever written on and below the diagonal: zero it when L changes.
     let lmat = scratch(&mut sc.lmat, l * l);
@@ -332,6 +337,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
             false,
             Tri::Full,
         );
+        between();
         e.copy_from_slice(cum);
         T::exp_all(e);
         for ((row, &ev), &sq) in y.chunks_exact_mut(hd).zip(e.iter()).zip(seq.iter()) {
@@ -357,6 +363,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
                 round_all(lrow);
             }
         }
+        between();
         // Y += Lmat x_c
         let x_off = f.x_off(b, t0, h);
         let x_copy = &mut x_copies[hh * l * hd..(hh + 1) * l * hd];
@@ -370,6 +377,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
             true,
             Tri::LowerA,
         );
+        between();
         // D skip and gate, into out.
         d_skip
             .iter_mut()
