@@ -58,14 +58,7 @@ pub fn check(dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
         ngroups,
         dstate,
     } = *dims;
-    for (name, v) in [
-        ("batch", batch),
-        ("seqlen", seqlen),
-        ("nheads", nheads),
-        ("headdim", headdim),
-        ("ngroups", ngroups),
-        ("dstate", dstate),
-    ] {
+    for (name, v) in dims.named() {
         if v == 0 {
             return Err(unsupported(format!(
                 "{name} is 0: every size must be at least 1"

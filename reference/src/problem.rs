@@ -41,6 +41,18 @@ impl Dims {
         h / self.heads_per_group()
     }
 
+    /// The six sizes with their contract names, in the manifest's order.
+    pub fn named(&self) -> [(&'static str, usize); 6] {
+        [
+            ("batch", self.batch),
+            ("seqlen", self.seqlen),
+            ("nheads", self.nheads),
+            ("headdim", self.headdim),
+            ("ngroups", self.ngroups),
+            ("dstate", self.dstate),
+        ]
+    }
+
     /// Number of chunks of `chunk_size` tokens covering `seqlen` (the last one may be partial).
     pub fn nchunks(&self, chunk_size: usize) -> usize {
         self.seqlen.div_ceil(chunk_size)
@@ -312,14 +324,7 @@ fn validate<T: Real>(dims: &Dims, options: &Options, i: &Inputs<T>) -> Result<()
         ngroups,
         dstate,
     } = *dims;
-    for (name, v) in [
-        ("batch", batch),
-        ("seqlen", seqlen),
-        ("nheads", nheads),
-        ("headdim", headdim),
-        ("ngroups", ngroups),
-        ("dstate", dstate),
-    ] {
+    for (name, v) in dims.named() {
         if v == 0 {
             return Err(invalid(format!(
                 "dims.{name} is 0: every size must be at least 1"
