@@ -31,6 +31,25 @@ pub struct Dims {
 }
 
 impl Dims {
+    /// The sizes in the manifest's order: `batch, seqlen, nheads, headdim, ngroups, dstate`.
+    pub fn new(
+        batch: usize,
+        seqlen: usize,
+        nheads: usize,
+        headdim: usize,
+        ngroups: usize,
+        dstate: usize,
+    ) -> Self {
+        Dims {
+            batch,
+            seqlen,
+            nheads,
+            headdim,
+            ngroups,
+            dstate,
+        }
+    }
+
     /// Number of heads that share one group of `B`/`C`: `nheads / ngroups`.
     pub fn heads_per_group(&self) -> usize {
         self.nheads / self.ngroups

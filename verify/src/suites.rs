@@ -52,24 +52,6 @@ pub struct CaseSpec {
     pub input_dtype: FloatDtype,
 }
 
-fn dims(
-    batch: usize,
-    seqlen: usize,
-    nheads: usize,
-    headdim: usize,
-    ngroups: usize,
-    dstate: usize,
-) -> Dims {
-    Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    }
-}
-
 fn case(name: &'static str, description: &'static str, spec: ProblemSpec) -> CaseSpec {
     CaseSpec {
         name,
@@ -105,13 +87,13 @@ fn smoke() -> Vec<CaseSpec> {
             "one sequence per row, dt already activated, no optional tensor",
             ProblemSpec {
                 options: options(16, false, NO_LIMIT),
-                ..ProblemSpec::plain(dims(1, 64, 2, 8, 1, 8))
+                ..ProblemSpec::plain(Dims::new(1, 64, 2, 8, 1, 8))
             },
         ),
         case(
             "full",
             "every option: softplus + dt_bias, dt_limit, D per channel, z, initial states, 3 sequences per row, 2 groups",
-            ProblemSpec::full(dims(2, 100, 4, 8, 2, 8), 32),
+            ProblemSpec::full(Dims::new(2, 100, 4, 8, 2, 8), 32),
         ),
         case(
             "mamba2-mini",
@@ -121,14 +103,14 @@ fn smoke() -> Vec<CaseSpec> {
                 seq_idx: SeqIdx::None,
                 dt_range: (-4.0, 0.0),
                 options: options(64, true, NO_LIMIT),
-                ..ProblemSpec::full(dims(1, 200, 4, 16, 1, 16), 64)
+                ..ProblemSpec::full(Dims::new(1, 200, 4, 16, 1, 16), 64)
             },
         ),
     ]
 }
 
 fn edge() -> Vec<CaseSpec> {
-    let small = dims(2, 40, 4, 4, 2, 4);
+    let small = Dims::new(2, 40, 4, 4, 2, 4);
     let full = |d: Dims, chunk: usize| ProblemSpec::full(d, chunk);
     let mut v = vec![
         case(
@@ -136,18 +118,18 @@ fn edge() -> Vec<CaseSpec> {
             "a single token (chunk 64 > seqlen), every option",
             ProblemSpec {
                 seq_idx: SeqIdx::None,
-                ..full(dims(2, 1, 4, 4, 2, 4), 64)
+                ..full(Dims::new(2, 1, 4, 4, 2, 4), 64)
             },
         ),
         case(
             "chunk-1",
             "chunk size 1: every token is a chunk",
-            full(dims(1, 13, 2, 4, 1, 4), 1),
+            full(Dims::new(1, 13, 2, 4, 1, 4), 1),
         ),
         case(
             "chunk-gt-seqlen",
             "chunk 256 > seqlen 20: one partial chunk",
-            full(dims(1, 20, 2, 4, 2, 4), 256),
+            full(Dims::new(1, 20, 2, 4, 2, 4), 256),
         ),
         case(
             "ragged",
@@ -155,7 +137,7 @@ fn edge() -> Vec<CaseSpec> {
             ProblemSpec {
                 initial_states: true,
                 options: options(16, false, NO_LIMIT),
-                ..ProblemSpec::plain(dims(2, 77, 2, 4, 1, 4))
+                ..ProblemSpec::plain(Dims::new(2, 77, 2, 4, 1, 4))
             },
         ),
         case(
@@ -164,7 +146,7 @@ fn edge() -> Vec<CaseSpec> {
             ProblemSpec {
                 seq_idx: SeqIdx::AtChunkStarts { every: 1 },
                 a_range: (0.05, 0.5),
-                ..full(dims(2, 64, 4, 4, 2, 4), 16)
+                ..full(Dims::new(2, 64, 4, 4, 2, 4), 16)
             },
         ),
         case(
@@ -186,7 +168,7 @@ fn edge() -> Vec<CaseSpec> {
                     segments: 5,
                     first: 0,
                 },
-                ..full(dims(2, 50, 2, 4, 1, 4), 8)
+                ..full(Dims::new(2, 50, 2, 4, 1, 4), 8)
             },
         ),
         case(
@@ -233,7 +215,7 @@ fn edge() -> Vec<CaseSpec> {
             "8 heads in 4 groups (2 heads per group)",
             ProblemSpec {
                 seq_idx: SeqIdx::None,
-                ..full(dims(1, 48, 8, 4, 4, 4), 16)
+                ..full(Dims::new(1, 48, 8, 4, 4, 4), 16)
             },
         ),
         case(
@@ -241,7 +223,7 @@ fn edge() -> Vec<CaseSpec> {
             "6 heads in 3 groups, no optional tensor",
             ProblemSpec {
                 options: options(8, false, NO_LIMIT),
-                ..ProblemSpec::plain(dims(1, 30, 6, 3, 3, 5))
+                ..ProblemSpec::plain(Dims::new(1, 30, 6, 3, 3, 5))
             },
         ),
         case(
@@ -293,17 +275,17 @@ fn standard() -> Vec<CaseSpec> {
         case(
             "layer-2x2048-h8-p64-n64",
             "batch 2, seqlen 2048, 8 heads of 64, dstate 64, 8 groups, chunk 64",
-            layer(dims(2, 2048, 8, 64, 8, 64), 64),
+            layer(Dims::new(2, 2048, 8, 64, 8, 64), 64),
         ),
         case(
             "layer-1x4096-h24-p64-n128",
             "batch 1, seqlen 4096, 24 heads of 64, dstate 128, 1 group, chunk 256",
-            layer(dims(1, 4096, 24, 64, 1, 128), 256),
+            layer(Dims::new(1, 4096, 24, 64, 1, 128), 256),
         ),
         case(
             "layer-2x1000-h16-p64-n128-full",
             "batch 2, seqlen 1000 (ragged), 16 heads of 64, dstate 128, 2 groups, chunk 128, every option",
-            ProblemSpec::full(dims(2, 1000, 16, 64, 2, 128), 128),
+            ProblemSpec::full(Dims::new(2, 1000, 16, 64, 2, 128), 128),
         ),
     ]
 }

@@ -45,34 +45,16 @@ struct Path {
     why: &'static str,
 }
 
-fn dims(
-    batch: usize,
-    seqlen: usize,
-    nheads: usize,
-    headdim: usize,
-    ngroups: usize,
-    dstate: usize,
-) -> Dims {
-    Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    }
-}
-
 fn shapes() -> Vec<Shape> {
-    let mut edges = ProblemSpec::full(dims(2, 37, 6, 3, 3, 5), 64);
+    let mut edges = ProblemSpec::full(Dims::new(2, 37, 6, 3, 3, 5), 64);
     edges.d = DSkip::PerHead;
     edges.seq_idx = SeqIdx::Segments {
         segments: 2,
         first: 1,
     };
-    let mut resets = ProblemSpec::full(dims(2, 200, 4, 16, 2, 8), 16);
+    let mut resets = ProblemSpec::full(Dims::new(2, 200, 4, 16, 2, 8), 16);
     resets.seq_idx = SeqIdx::AtChunkStarts { every: 3 };
-    let mut bench = ProblemSpec::plain(dims(2, 2048, 8, 64, 8, 64));
+    let mut bench = ProblemSpec::plain(Dims::new(2, 2048, 8, 64, 8, 64));
     bench.options = Options {
         chunk_size: 64,
         ..Options::default()
@@ -80,7 +62,7 @@ fn shapes() -> Vec<Shape> {
     vec![
         Shape {
             title: "tiny, every option",
-            spec: ProblemSpec::full(dims(1, 10, 2, 4, 1, 4), 4),
+            spec: ProblemSpec::full(Dims::new(1, 10, 2, 4, 1, 4), 4),
             seed: 1,
             large: false,
         },
@@ -104,7 +86,7 @@ fn shapes() -> Vec<Shape> {
         },
         Shape {
             title: "a realistic Mamba-2 layer, every option",
-            spec: ProblemSpec::full(dims(1, 2048, 24, 64, 1, 128), 256),
+            spec: ProblemSpec::full(Dims::new(1, 2048, 24, 64, 1, 128), 256),
             seed: 5,
             large: true,
         },
