@@ -25,14 +25,16 @@ using std::min; using std::max;
 struct dim3e { unsigned x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct int4 { int x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
-struct WarpScratch { float A[16][8]; float B[8][8]; };
+struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; };
 struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
 extern thread_local dim3e threadIdx, blockIdx, blockDim;
 extern thread_local BlockCtx* g_blk;
@@ -71,3 +73,18 @@ template <int N> inline void cp_async_wait() {
         g_groups.erase(g_groups.begin());
     }
 }
+// Shared addresses are byte offsets into the block's dynamic shared memory.
+inline unsigned smem_addr(const void* p) { return (unsigned)((const char*)p - (const char*)g_dyn); }
+inline void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    int lane = threadIdx.x & 31;
+    WarpScratch& w = g_blk->ws[threadIdx.x / 32];
+    w.addr[lane] = addr;
+    __syncwarp();
+    for (int m = 0; m < 4; ++m) {
+        unsigned a = w.addr[m * 8 + lane / 4] + 4u * (lane % 4);
+        if (a % 4 || w.addr[m * 8 + lane / 4] % 16) { fprintf(stderr, "ldmatrix: misaligned row\n"); abort(); }
+        memcpy(&r[m], (const char*)g_dyn + a, 4);
+    }
+    __syncwarp();
+}
+inline float ex2_approx(float v) { return exp2f(v); }

@@ -148,9 +148,11 @@ __device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int c
 //   dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows_valid, c < cols_valid, 0
 // elsewhere. dst_stride must be a multiple of 4. 128 threads; the same thread -> element map
 // as round_block64_tf32, which rounds the block in place once the copies have landed.
-__device__ __forceinline__ void async_block64(float* dst, int dst_stride, const float* __restrict__ src,
-                                              i64 src_stride, int rows_valid, int cols_valid, int tid) {
-    if (vec16_ok(src, src_stride, cols_valid)) {
+// VEC: 16-byte copies, only where vec16_ok holds (the caller decides, once per kernel).
+template <bool VEC>
+__device__ __forceinline__ void async_block64_v(float* dst, int dst_stride, const float* __restrict__ src,
+                                                i64 src_stride, int rows_valid, int cols_valid, int tid) {
+    if (VEC) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             int e = tid + k * 128;
@@ -165,6 +167,31 @@ __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const 
             cp_async4(dst + r * dst_stride + c, src + r * src_stride + c, r < rows_valid && c < cols_valid, src);
         }
     }
+}
+__device__ __forceinline__ void async_block64(float* dst, int dst_stride, const float* __restrict__ src,
+                                              i64 src_stride, int rows_valid, int cols_valid, int tid) {
+    if (vec16_ok(src, src_stride, cols_valid))
+        async_block64_v<true>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
+    else
+        async_block64_v<false>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
+}
+
+// Four 8 x 4 matrices of 32-bit words from shared memory, one instruction (ldmatrix with b16
+// pairs read as one 32-bit word): lane l gives the address of row l % 8 of matrix l / 8, and
+// receives in r[m] word l % 4 of row l / 4 of matrix m, which is the TF32 fragment layout
+// (A: a0 = A[g][q]; B stored n-major: b0 = B[q][g]). Rows must be 16-byte aligned.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// 2^v (ex2.approx: relative error below 2^-22, far under TF32's 2^-11; 2^-inf = 0).
+__device__ __forceinline__ float ex2_approx(float v) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
 }
 
 // Rounds to TF32, in place, the elements of a 64 x 64 shared block that this thread copied

@@ -278,41 +278,44 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
     }
 }
 
-// 3b. One block of 128 threads (4 warps, 16 rows each) per (batch b, chunk c, 64 rows i of the
-// chunk, head h, 64 headdim columns p), the grid of ssd_compute_out, the same sums in the same
-// order (bitwise the same output), as a pipeline of steps, each one pair of 64 x 64 tiles
-// copied with cp.async into one half of a double buffer while the other half is used:
+// 3b. One block of 128 threads per (batch b, chunk c, 64 rows i of the chunk, head h, 64
+// headdim columns p), the grid of ssd_compute_out. The four warps split the 64 x 64 output
+// tile 2 x 2 (warp w: rows 32 (w / 2), columns 32 (w % 2)). The block walks a pipeline of
+// steps, each one pair of 64 x 64 tiles copied with cp.async into one half of a double buffer
+// while the other half is used:
 //   steps 0 .. nslab-1 (only when the carried state is not 0): C[i, n0:n0+64] and
-//     S[p, n0:n0+64], rounded to TF32 in place, acc += C S^T (k ascending, as one product);
+//     S[p, n0:n0+64]; acc += C S^T;
 //   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
-//   steps for each column tile jt <= it: the raw scores cb[b, c, g, pair(it, jt)] and x[j, p]
-//     (x rounded in place); each warp masks and decays its 16 score rows in place
-//     (v = score * exp(cs_i - cs_j) * dt'_j where j <= i, same seq, inside seqlen; else 0),
-//     rounds them to TF32 and multiplies them by x: acc += stage . x.
-// Dynamic shared memory (floats): 2 buffers of [64 x 68 (C slab or scores), 64 x 72 (S slab
-// at stride 68, or x at 72), cs_j[64], dt_j[64], seq_j[64]], then cs_i[64], seq_i[64].
+//   steps for each column tile jt <= it: the raw scores cb[b, c, g, pair(it, jt)] and x[j, p];
+//     the block turns the scores in place into the causal matrix
+//       M[i, j] = score * 2^((cs_i - cs_j) log2 e) * dt'_j   where j <= i and seq(j) = seq(i),
+//       0 elsewhere (the exponent is -inf there: never evaluated on cs_i - cs_j),
+//     then acc += M x.
+// Operands go to the tensor cores as raw f32 bit patterns (the TF32 product uses their top 19
+// bits, i.e. truncates them: the error model's TF32 operand unit 2^-10); f32 accumulation.
+// Fragments of C, S and M come through ldmatrix, those of x through conflict-free 32-bit loads.
+// Dynamic shared memory (floats): 2 buffers of [64 x 68 (C slab or scores), 64 x 72 (S slab at
+// stride 68, or x at 72), cs_j[64], dt_j[64], seq_j[64]], then cs_i[64], seq_i[64].
+// vec: every global tile may be copied 16 bytes at a time (headdim and dstate multiples of 4,
+// 16-byte aligned buffers), decided by the host.
 #define CO2_A 68
 #define CO2_BUF (64 * CO2_A + 64 * CO_XSTRIDE + 3 * 64)
-extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
-    const float* __restrict__ x,             // [batch, seqlen, nheads, headdim]
-    const float* __restrict__ Cm,            // [batch, seqlen, ngroups, dstate]
-    const float* __restrict__ Dv,            // [nheads] or [nheads, headdim] or null
-    const float* __restrict__ z,             // [batch, seqlen, nheads, headdim] or null
-    const float* __restrict__ dt_out,        // [batch, nheads, nchunks, chunk_size]
-    const float* __restrict__ dA_cumsum,     // [batch, nheads, nchunks, chunk_size]
-    const float* __restrict__ chunk_states,  // [batch, nchunks, nheads, headdim, dstate]
-    const int* __restrict__ seq_idx,         // [batch, seqlen] or null
-    const float* __restrict__ cbuf,          // [batch, nchunks, ngroups, npairs, 64, 64]
-    float* __restrict__ out,                 // [batch, seqlen, nheads, headdim]
-    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks,
-    int d_per_channel, int has_initial_states, int tmax)
+#define LOG2E_F 1.4426950408889634f
+#define NEG_INF_F __int_as_float(0xff800000)
+template <bool VEC>
+__device__ __forceinline__ void compute_out_cb_body(
+    float* smem, const float* __restrict__ x, const float* __restrict__ Cm, const float* __restrict__ Dv,
+    const float* __restrict__ z, const float* __restrict__ dt_out, const float* __restrict__ dA_cumsum,
+    const float* __restrict__ chunk_states, const int* __restrict__ seq_idx, const float* __restrict__ cbuf,
+    float* __restrict__ out, int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size,
+    int nchunks, int d_per_channel, int has_initial_states, int tmax)
 {
-    extern __shared__ __align__(16) float smem[];
     float* cs_i = smem + 2 * CO2_BUF;
     int* seq_i = (int*)(cs_i + 64);
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 x 32 quarter of the output tile
     const int itiles = (chunk_size + CO_TM - 1) / CO_TM;
     const int c = blockIdx.x / itiles;
     const int it = blockIdx.x % itiles;
@@ -337,10 +340,11 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
     const int npairs = tmax * (tmax + 1) / 2;
     const float* cbt = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + it * (it + 1) / 2) * 4096;
     const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen : nullptr;
+    const bool has_seq = seq_row != nullptr;
 
     for (int r = tid; r < CO_TM; r += CO_THREADS) {
         cs_i[r] = r < rows_i ? dA_cumsum[cb + i0 + r] : 0.0f;
-        seq_i[r] = (seq_row != nullptr && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
+        seq_i[r] = (has_seq && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
     }
 
     const int NC64 = ((dstate + 63) / 64) * 64;
@@ -354,14 +358,14 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
         float* tb = ta + 64 * CO2_A;
         if (s < nslab) {
             const int n0 = s * 64;
-            async_block64(ta, CO2_A, cg + n0, tok_stride_b, rows_i, dstate - n0, tid);
-            async_block64(tb, CO2_A, st + n0, dstate, cols_p, dstate - n0, tid);
+            async_block64_v<VEC>(ta, CO2_A, cg + n0, tok_stride_b, rows_i, dstate - n0, tid);
+            async_block64_v<VEC>(tb, CO2_A, st + n0, dstate, cols_p, dstate - n0, tid);
         } else {
             const int jt = s - nslab;
             const int j0 = jt * 64;
             const int rows_j = min(CO_TJ, valid_c - j0);
-            async_block64(ta, CO2_A, cbt + jt * 4096, 64, 64, 64, tid);
-            async_block64(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p, tid);
+            async_block64_v<true>(ta, CO2_A, cbt + jt * 4096, 64, 64, 64, tid);
+            async_block64_v<VEC>(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p, tid);
             float* cs_j = tb + 64 * CO_XSTRIDE;
             float* dt_j = cs_j + 64;
             int* seq_j = (int*)(dt_j + 64);
@@ -369,122 +373,212 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
                 const bool ok = tid < rows_j;
                 cp_async4(cs_j + tid, dA_cumsum + cb + j0 + tid, ok, dA_cumsum);
                 cp_async4(dt_j + tid, dt_out + cb + j0 + tid, ok, dt_out);
-                if (seq_row != nullptr) cp_async4(seq_j + tid, seq_row + t0 + j0 + tid, ok, seq_row);
-                else seq_j[tid] = 0;
+                if (has_seq) cp_async4(seq_j + tid, seq_row + t0 + j0 + tid, ok, seq_row);
             }
         }
     };
 
-    float acc[8][4];
+    float acc[2][4][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-    }
-    const int r0 = warp * 16 + g;  // this thread's accumulator rows: r0 and r0 + 8
+        for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+
+    // ldmatrix lane offsets (floats): an A fragment (16 rows x 8 k) of a row-major tile, and two
+    // B fragments (16 n x 8 k) of a tile stored n-major, both at stride CO2_A.
+    const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * CO2_A + (lane >> 4) * 4;
+    const int b_off = ((lane & 7) + (lane >> 4) * 8) * CO2_A + ((lane >> 3) & 1) * 4;
+    const unsigned smem_base = smem_addr(smem);
+    // The decay pass: this thread's 4 columns and 8 rows of the 64 x 64 scores tile.
+    const int col4 = (lane & 15) << 2;
+    const int rbase = warp * 16 + (lane >> 4);  // rows rbase + 2k, k < 8
 
     issue(0);
     cp_async_commit();
+    float csl_r[8];
+    int seq_r[8];
     for (int s = 0; s < nsteps; ++s) {
-        if (s + 1 < nsteps) issue(s + 1);  // its buffer was released by the barrier ending step s - 1
+        cp_async_wait<0>();  // this thread's copies of step s have landed
+        __syncthreads();     // everyone's have, and everyone is done with step s - 1's buffer
+        if (s + 1 < nsteps) issue(s + 1);
         cp_async_commit();
-        cp_async_wait<1>();  // this thread's copies of step s have landed
         float* ta = smem + (s & 1) * CO2_BUF;
         float* tb = ta + 64 * CO2_A;
-        if (s < nslab) {
-            const int n0 = s * 64;
-            round_block64_tf32(ta, CO2_A, cg + n0, tok_stride_b, dstate - n0, tid);
-            round_block64_tf32(tb, CO2_A, st + n0, dstate, dstate - n0, tid);
-            __syncthreads();
-            const int kend = min(64, NK - n0);
-            for (int kk = 0; kk < kend; kk += 8) {
-                unsigned a[4];
-                load_a_rowmajor(a, ta + warp * 16 * CO2_A + kk, CO2_A, g, q);
+        const unsigned ta_s = smem_base + (unsigned)((s & 1) * CO2_BUF) * 4u;
+        if (s == 0) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    unsigned bf[2];
-                    load_b_nrows(bf, tb + j * 8 * CO2_A + kk, CO2_A, g, q);
-                    mma_tf32(acc[j], a, bf);
+            for (int k = 0; k < 8; ++k) {
+                const int r = rbase + 2 * k;
+                csl_r[k] = r < rows_i ? cs_i[r] * LOG2E_F : NEG_INF_F;
+                seq_r[k] = seq_i[r];
+            }
+        }
+        if (s < nslab) {
+            const unsigned tb_s = ta_s + 64u * CO2_A * 4u;
+            const int kend = min(64, NK - s * 64);
+            for (int kk = 0; kk < kend; kk += 8) {
+                unsigned a[2][4], bf[4][2];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+                    ldmatrix_x4(a[mi], ta_s + (unsigned)((wm * 32 + mi * 16) * CO2_A + kk + a_off) * 4u);
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    unsigned r4[4];
+                    ldmatrix_x4(r4, tb_s + (unsigned)((wn * 32 + np * 16) * CO2_A + kk + b_off) * 4u);
+                    bf[2 * np][0] = r4[0];
+                    bf[2 * np][1] = r4[1];
+                    bf[2 * np + 1][0] = r4[2];
+                    bf[2 * np + 1][1] = r4[3];
                 }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
             }
         } else {
             const int jt = s - nslab;
-            const int j0 = jt * 64;
-            const int rows_j = min(CO_TJ, valid_c - j0);
-            round_block64_tf32(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, cols_p, tid);
-            __syncthreads();
             if (s == nslab && nslab > 0) {
-                const int seq_prev = (seq_row == nullptr || c == 0) ? 0 : seq_row[t0 - 1];
-                const float f0 = seq_i[r0] == seq_prev ? expf(cs_i[r0]) : 0.0f;
-                const float f1 = seq_i[r0 + 8] == seq_prev ? expf(cs_i[r0 + 8]) : 0.0f;
+                const int seq_prev = (!has_seq || c == 0) ? 0 : seq_row[t0 - 1];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    acc[j][0] *= f0;
-                    acc[j][1] *= f0;
-                    acc[j][2] *= f1;
-                    acc[j][3] *= f1;
-                }
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int r = wm * 32 + mi * 16 + g + 8 * hf;
+                        const float f = seq_i[r] == seq_prev ? expf(cs_i[r]) : 0.0f;
+#pragma unroll
+                        for (int nf = 0; nf < 4; ++nf) {
+                            acc[mi][nf][2 * hf] *= f;
+                            acc[mi][nf][2 * hf + 1] *= f;
+                        }
+                    }
             }
+            // The causal matrix, in place: this thread's 8 x 4 elements of the scores tile.
             const float* cs_j = tb + 64 * CO_XSTRIDE;
-            const float* dt_j = cs_j + 64;
-            const int* seq_j = (const int*)(dt_j + 64);
-            // Mask and decay this warp's 16 score rows in place, as TF32.
-            float* my = ta + warp * 16 * CO2_A;
+            const float4 cj = *reinterpret_cast<const float4*>(cs_j + col4);
+            const float4 dj = *reinterpret_cast<const float4*>(cs_j + 64 + col4);
+            const float cslj[4] = {cj.x * LOG2E_F, cj.y * LOG2E_F, cj.z * LOG2E_F, cj.w * LOG2E_F};
+            const float dtj[4] = {dj.x, dj.y, dj.z, dj.w};
+            int seqj[4] = {0, 0, 0, 0};
+            if (has_seq) {
+                const int4 sj = *reinterpret_cast<const int4*>(cs_j + 128 + col4);
+                seqj[0] = sj.x;
+                seqj[1] = sj.y;
+                seqj[2] = sj.z;
+                seqj[3] = sj.w;
+            }
+            // Column col4 + u is masked where u > lim (the causal mask, on the diagonal tile
+            // only) or where its seq differs (seq_i and seq_j are all 0 without seq_idx). One
+            // code path for every case: no branch per tile kind.
+            const int lim0 = jt == it ? rbase - col4 : 3;
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                const int e = lane + 32 * k;
-                const int rr = e >> 4, col4 = (e & 15) << 2;
-                const int r = warp * 16 + rr;
-                const int i = i0 + r;
-                float4* pv = reinterpret_cast<float4*>(my + rr * CO2_A + col4);
-                float4 sv = *pv;
-                float vals[4] = {sv.x, sv.y, sv.z, sv.w};
+                const int r = rbase + 2 * k;
+                const int lim = lim0 + 2 * k;
+                float4* pv = reinterpret_cast<float4*>(ta + r * CO2_A + col4);
+                const float4 sv = *pv;
+                const float sc[4] = {sv.x, sv.y, sv.z, sv.w};
+                float v[4];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
-                    const int col = col4 + u;
-                    float v = 0.0f;
-                    if (j0 + col <= i && r < rows_i && col < rows_j && seq_j[col] == seq_i[r])
-                        v = vals[u] * expf(cs_i[r] - cs_j[col]) * dt_j[col];
-                    vals[u] = tf32_round(v);
+                    const bool keep = u <= lim && seqj[u] == seq_r[k];
+                    const float arg = keep ? csl_r[k] - cslj[u] : NEG_INF_F;
+                    v[u] = sc[u] * ex2_approx(arg) * dtj[u];
                 }
-                *pv = make_float4(vals[0], vals[1], vals[2], vals[3]);
+                *pv = make_float4(v[0], v[1], v[2], v[3]);
             }
-            __syncwarp();
+            __syncthreads();
+            const float* xb = tb + wn * 32 + g;
 #pragma unroll
             for (int kk = 0; kk < CO_TJ; kk += 8) {
-                unsigned a[4];
-                load_a_rowmajor(a, my + kk, CO2_A, g, q);
+                unsigned a[2][4], bf[4][2];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    unsigned bf[2];
-                    load_b_krows(bf, tb + kk * CO_XSTRIDE + j * 8, CO_XSTRIDE, g, q);
-                    mma_tf32(acc[j], a, bf);
+                for (int mi = 0; mi < 2; ++mi)
+                    ldmatrix_x4(a[mi], ta_s + (unsigned)((wm * 32 + mi * 16) * CO2_A + kk + a_off) * 4u);
+#pragma unroll
+                for (int nf = 0; nf < 4; ++nf) {
+                    bf[nf][0] = __float_as_uint(xb[(kk + q) * CO_XSTRIDE + nf * 8]);
+                    bf[nf][1] = __float_as_uint(xb[(kk + q + 4) * CO_XSTRIDE + nf * 8]);
                 }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
             }
         }
-        __syncthreads();  // every warp is done with buffer s & 1 before step s + 2 refills it
     }
 
-    // Epilogue: D skip, z gate, store.
+    // Epilogue: D skip, z gate, store (pairs of neighbouring columns).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int r = r0 + ((e & 2) ? 8 : 0);
-            int col = j * 8 + 2 * q + (e & 1);
-            if (r < rows_i && col < cols_p) {
-                i64 off = (i64)b * seqlen * tok_stride_x + (t0 + i0 + r) * tok_stride_x + (i64)h * headdim + p0 + col;
-                float y = acc[j][e];
-                if (Dv != nullptr) {
-                    float d = d_per_channel ? Dv[(i64)h * headdim + p0 + col] : Dv[h];
-                    y += d * x[off];
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = wm * 32 + mi * 16 + g + 8 * hf;
+            if (r >= rows_i) continue;
+            const i64 row_off = (i64)b * seqlen * tok_stride_x + (t0 + i0 + r) * tok_stride_x + (i64)h * headdim + p0;
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf) {
+                const int col = wn * 32 + nf * 8 + 2 * q;
+                float y[2] = {acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]};
+                if (VEC) {
+                    if (col >= cols_p) continue;  // cols_p is a multiple of 4: col + 1 is in too
+                    const i64 off = row_off + col;
+                    if (Dv != nullptr) {
+                        const float2 xv = *reinterpret_cast<const float2*>(x + off);
+                        const float d0 = d_per_channel ? Dv[(i64)h * headdim + p0 + col] : Dv[h];
+                        const float d1 = d_per_channel ? Dv[(i64)h * headdim + p0 + col + 1] : d0;
+                        y[0] += d0 * xv.x;
+                        y[1] += d1 * xv.y;
+                    }
+                    if (z != nullptr) {
+                        const float2 zv = *reinterpret_cast<const float2*>(z + off);
+                        y[0] = y[0] * zv.x / (1.0f + expf(-zv.x));
+                        y[1] = y[1] * zv.y / (1.0f + expf(-zv.y));
+                    }
+                    *reinterpret_cast<float2*>(out + off) = make_float2(y[0], y[1]);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        if (col + u >= cols_p) continue;
+                        const i64 off = row_off + col + u;
+                        float yy = y[u];
+                        if (Dv != nullptr) {
+                            const float d = d_per_channel ? Dv[(i64)h * headdim + p0 + col + u] : Dv[h];
+                            yy += d * x[off];
+                        }
+                        if (z != nullptr) {
+                            const float zz = z[off];
+                            yy = yy * zz / (1.0f + expf(-zz));
+                        }
+                        out[off] = yy;
+                    }
                 }
-                if (z != nullptr) {
-                    float zz = z[off];
-                    y = y * zz / (1.0f + expf(-zz));
-                }
-                out[off] = y;
             }
         }
-    }
+}
+
+extern "C" __global__ void __launch_bounds__(CO_THREADS, 3) ssd_compute_out_cb(
+    const float* __restrict__ x,             // [batch, seqlen, nheads, headdim]
+    const float* __restrict__ Cm,            // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ Dv,            // [nheads] or [nheads, headdim] or null
+    const float* __restrict__ z,             // [batch, seqlen, nheads, headdim] or null
+    const float* __restrict__ dt_out,        // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ dA_cumsum,     // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ chunk_states,  // [batch, nchunks, nheads, headdim, dstate]
+    const int* __restrict__ seq_idx,         // [batch, seqlen] or null
+    const float* __restrict__ cbuf,          // [batch, nchunks, ngroups, npairs, 64, 64]
+    float* __restrict__ out,                 // [batch, seqlen, nheads, headdim]
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks,
+    int d_per_channel, int has_initial_states, int tmax, int vec)
+{
+    extern __shared__ __align__(16) float smem[];
+    if (vec)
+        compute_out_cb_body<true>(smem, x, Cm, Dv, z, dt_out, dA_cumsum, chunk_states, seq_idx, cbuf, out, seqlen,
+                                  nheads, headdim, ngroups, dstate, chunk_size, nchunks, d_per_channel,
+                                  has_initial_states, tmax);
+    else
+        compute_out_cb_body<false>(smem, x, Cm, Dv, z, dt_out, dA_cumsum, chunk_states, seq_idx, cbuf, out, seqlen,
+                                   nheads, headdim, ngroups, dstate, chunk_size, nchunks, d_per_channel,
+                                   has_initial_states, tmax);
 }

@@ -98,6 +98,9 @@ impl Gpu {
                 ..cfg
             };
             let tmax = int(score_tiles(&d, &o));
+            // 16-byte copies of the x, C and state tiles: rows of 4-float multiples (every
+            // CudaSlice allocation is 256-byte aligned).
+            let vec = i32::from(d.headdim.is_multiple_of(4) && d.dstate.is_multiple_of(4));
             let mut launch = stream.launch_builder(&self.compute_out_cb_fn);
             launch
                 .arg(&inputs.x)
@@ -113,7 +116,7 @@ impl Gpu {
             for s in &sizes {
                 launch.arg(s);
             }
-            launch.arg(&tmax);
+            launch.arg(&tmax).arg(&vec);
             // SAFETY: the argument list matches `ssd_compute_out_cb` in kernels/compute_out.cu,
             // every buffer was checked against the sizes, the scores were written by
             // `ssd_chunk_cb` just before on this stream, and 72 KB of dynamic shared memory

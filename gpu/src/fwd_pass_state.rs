@@ -22,7 +22,7 @@ impl Gpu {
     /// By default in two launches for parallelism: every chunk's own product in parallel
     /// (`ssd_chunk_state_local`), then one thread per state element walking the chunks
     /// (`ssd_state_passing`, `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU reference); the
-    /// fused sequential kernel (`ssd_fwd_pass_state`) unless `SSD_GPU_V2=1`.
+    /// fused sequential kernel (`ssd_fwd_pass_state`) with `SSD_GPU_V1=1`.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.

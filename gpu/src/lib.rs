@@ -10,11 +10,11 @@
 //! 3. [`Gpu::compute_out`]: the carried-state term, the causally masked and decayed
 //!    `C B^T` times `dt' x` built tile by tile on chip, the `D` skip and the `z` gate -> `out`.
 //!
-//! By default the kernels are version 1, the one validated on the H200 (one kernel per stage).
-//! `SSD_GPU_V2=1` in the environment when a [`Gpu`] is opened selects version 2, not yet run on
-//! a GPU: stages 2 and 3 launch two kernels each (a parallel per-chunk state product and a
-//! per-element pass across chunks; the scores `C B^T` once per group, then a cp.async
-//! double-buffered output kernel).
+//! By default the kernels are version 2, validated on the H200: stages 2 and 3 launch two
+//! kernels each (a parallel per-chunk state product and a per-element pass across chunks; the
+//! scores `C B^T` once per group, then a cp.async double-buffered output kernel).
+//! `SSD_GPU_V1=1` in the environment when a [`Gpu`] is opened selects version 1 (one kernel per
+//! stage), kept for comparison.
 //!
 //! Two ways in:
 //! - host side: [`forward`] (or [`Gpu::forward`]) takes a validated

@@ -26,9 +26,9 @@ pub struct Gpu {
     pub(crate) state_passing_fn: CudaFunction,
     pub(crate) chunk_cb_fn: CudaFunction,
     pub(crate) compute_out_cb_fn: CudaFunction,
-    /// True unless `SSD_GPU_V2=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
-    /// state pass and the output kernel that computes its own scores), the version validated on
-    /// the H200. Version 2 is opt-in until a GPU run has validated it.
+    /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
+    /// state pass and the output kernel that computes its own scores), kept selectable for
+    /// comparison. Version 2, the default, was validated on the H200 like version 1.
     pub(crate) legacy: bool,
     target: &'static str,
     name: String,
@@ -101,7 +101,7 @@ impl Gpu {
                 max_smem_optin as i32,
             )?;
         }
-        let legacy = !std::env::var("SSD_GPU_V2").is_ok_and(|v| v == "1");
+        let legacy = std::env::var("SSD_GPU_V1").is_ok_and(|v| v == "1");
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
         let stream = ctx.default_stream();
