@@ -11,6 +11,9 @@
 
 typedef long long i64;
 
+#define LOG2E_F 1.4426950408889634f
+#define NEG_INF_F __int_as_float(0xff800000)
+
 // Rounds an f32 to TF32 (10 explicit mantissa bits), to nearest with ties away from zero, as
 // the CPU emulation `MatmulPrecision::Tf32` does. The result is an f32 with 13 zero low bits.
 __device__ __forceinline__ float tf32_round(float v) {

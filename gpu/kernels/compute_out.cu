@@ -300,8 +300,6 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
 // 16-byte aligned buffers), decided by the host.
 #define CO2_A 68
 #define CO2_BUF (64 * CO2_A + 64 * CO_XSTRIDE + 3 * 64)
-#define LOG2E_F 1.4426950408889634f
-#define NEG_INF_F __int_as_float(0xff800000)
 template <bool VEC>
 __device__ __forceinline__ void compute_out_cb_body(
     float* smem, const float* __restrict__ x, const float* __restrict__ Cm, const float* __restrict__ Dv,
@@ -351,6 +349,10 @@ __device__ __forceinline__ void compute_out_cb_body(
     const int NK = ((dstate + 7) / 8) * 8;
     const int nslab = (c > 0 || has_initial_states) ? NC64 / 64 : 0;
     const int nsteps = nslab + it + 1;
+    // Without seq_idx, below the first row tile: the tiles left of the diagonal skip the mask
+    // and split the decay at R = log2(e) cs[i0 - 1] (see the score steps).
+    const bool split = !has_seq && it > 0;
+    const float R = split ? dA_cumsum[cb + i0 - 1] * LOG2E_F : 0.0f;
 
     // Starts the copies of step s into buffer s & 1.
     auto issue = [&](int s) {
@@ -439,7 +441,16 @@ __device__ __forceinline__ void compute_out_cb_body(
             }
         } else {
             const int jt = s - nslab;
-            if (s == nslab && nslab > 0) {
+            if (s == nslab && nslab > 0 && split) {
+                // exp(cs_i) = 2^R 2^(csl_i - R): 2^R now, the row factor before the diagonal tile
+                const float f = ex2_approx(R);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mi][nf][e] *= f;
+            } else if (s == nslab && nslab > 0) {
                 const int seq_prev = (!has_seq || c == 0) ? 0 : seq_row[t0 - 1];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi)
@@ -454,8 +465,38 @@ __device__ __forceinline__ void compute_out_cb_body(
                         }
                     }
             }
-            // The causal matrix, in place: this thread's 8 x 4 elements of the scores tile.
             const float* cs_j = tb + 64 * CO_XSTRIDE;
+            if (split && jt == it) {
+                // Everything so far (the carried-state term times 2^R, the tiles left of the
+                // diagonal) takes its row factor 2^(csl_i - R) <= 1 (0 past the chunk's end).
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int r = wm * 32 + mi * 16 + g + 8 * hf;
+                        const float f = r < rows_i ? ex2_approx(cs_i[r] * LOG2E_F - R) : 0.0f;
+#pragma unroll
+                        for (int nf = 0; nf < 4; ++nf) {
+                            acc[mi][nf][2 * hf] *= f;
+                            acc[mi][nf][2 * hf + 1] *= f;
+                        }
+                    }
+            }
+            if (split && jt < it) {
+                // A tile left of the diagonal, without seq_idx: no mask, and the decay
+                // 2^(csl_i - csl_j) = 2^(csl_i - R) 2^(R - csl_j) splits into a row factor
+                // (applied above, later) and a column factor, both <= 1 since the cumsum does
+                // not increase. The scores stay raw; x's rows take 2^(R - csl_j) dt'_j.
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int r = (tid >> 4) + 8 * k;
+                    const float f = ex2_approx(R - cs_j[r] * LOG2E_F) * cs_j[64 + r];
+                    float4* pv = reinterpret_cast<float4*>(tb + r * CO_XSTRIDE + ((tid & 15) << 2));
+                    const float4 v = *pv;
+                    *pv = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+                }
+            } else {
+            // The causal matrix, in place: this thread's 8 x 4 elements of the scores tile.
             const float4 cj = *reinterpret_cast<const float4*>(cs_j + col4);
             const float4 dj = *reinterpret_cast<const float4*>(cs_j + 64 + col4);
             const float cslj[4] = {cj.x * LOG2E_F, cj.y * LOG2E_F, cj.z * LOG2E_F, cj.w * LOG2E_F};
@@ -487,6 +528,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                     v[u] = sc[u] * ex2_approx(arg) * dtj[u];
                 }
                 *pv = make_float4(v[0], v[1], v[2], v[3]);
+            }
             }
             __syncthreads();
             const float* xb = tb + wn * 32 + g;

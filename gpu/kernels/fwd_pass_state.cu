@@ -147,12 +147,13 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 //
 // 2a. Each chunk's own state, all chunks in parallel: one block of 128 threads per (batch b,
 // chunk c, head h, 64 x 64 tile of [headdim, dstate]), writing into chunk_states[b, c, h]
-//   L_c[p, n] = sum_{l <= last, seq(l) == seq(last)} x[l, p] * w[l] * B[l, n],
-//   w[l] = exp(cs[last] - cs[l]) * dt'[l],
-// the same TF32 product (operands rounded at the same points: x, and B times w) as the fused
-// kernel, started from zero instead of from scale * S. The grid's x is chunk-major:
-// c * tiles + tile. The 64-token stages stream through a cp.async double buffer: while stage k
-// is multiplied, stage k + 1's x, B, cs, dt' and seq_idx are in flight.
+//   L_c[p, n] = sum_{l <= last, seq(l) == seq(last)} (x[l, p] * w[l]) * B[l, n],
+//   w[l] = 2^((cs[last] - cs[l]) log2 e) * dt'[l],
+// started from zero. The grid's x is chunk-major: c * tiles + tile. The 64-token stages stream
+// through a cp.async double buffer: while stage k is multiplied, stage k + 1's x, B, cs, dt'
+// and seq_idx are in flight. Each stage: x's rows scaled by w in place (one pass), then the
+// product, the four warps splitting the 64 x 64 tile 2 x 2 (32 x 32 each). Operands go to
+// the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
 // Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x 72, cs 64, dt' 64, seq 64, w 64].
 #define SL_BUF (2 * ST_TK * ST_STRIDE + 4 * ST_TK)
 extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_local(
@@ -167,6 +168,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
     extern __shared__ __align__(16) float smem[];
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 x 32 quarter: rows p, columns n
     const int ntiles_n = (dstate + ST_TN - 1) / ST_TN;
     const int tiles = ((headdim + ST_TP - 1) / ST_TP) * ntiles_n;
     const int c = blockIdx.x / tiles;
@@ -178,20 +180,20 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
     const int grp = h / (nheads / ngroups);
     const int rows_p = min(ST_TP, headdim - p0);
     const int cols_n = min(ST_TN, dstate - n0);
-    const int pr0 = warp * 16 + g;
 
-    float acc[8][4];
+    float acc[2][4][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-    }
+        for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
     const i64 tok_stride_x = (i64)nheads * headdim;
     const i64 tok_stride_b = (i64)ngroups * dstate;
     const i64 t0 = (i64)c * chunk_size;
     const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
     const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
-    const float cs_last = dA_cumsum[cb + last];
+    const float csl_last = dA_cumsum[cb + last] * LOG2E_F;
     const int seq_last = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
     const float* xsrc = x + ((i64)b * seqlen + t0) * tok_stride_x + (i64)h * headdim + p0;
     const float* bsrc = Bm + ((i64)b * seqlen + t0) * tok_stride_b + (i64)grp * dstate + n0;
@@ -217,77 +219,73 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
     issue(0);
     cp_async_commit();
     for (int k = 0; k < nst; ++k) {
-        if (k + 1 < nst) issue(k + 1);  // its buffer was released by the barrier ending stage k - 1
+        cp_async_wait<0>();  // this thread's copies of stage k have landed
+        __syncthreads();     // everyone's have, and everyone is done with stage k - 1's buffer
+        if (k + 1 < nst) issue(k + 1);
         cp_async_commit();
-        cp_async_wait<1>();  // this thread's copies of stage k have landed
         float* xs = smem + (k & 1) * SL_BUF;
-        float* bs = xs + ST_TK * ST_STRIDE;
+        const float* bs = xs + ST_TK * ST_STRIDE;
         const float* csk = bs + ST_TK * ST_STRIDE;
         const float* dtk = csk + ST_TK;
         const int* seqk = (const int*)(dtk + ST_TK);
-        float* ws = (float*)(seqk + ST_TK);
         const int k0 = k * ST_TK;
         const int rows_t = min(ST_TK, last + 1 - k0);
-        if (tid < ST_TK) {  // the thread that copied token tid's values
-            float w = 0.0f;
-            if (tid < rows_t) {
-                const bool same = seq_row == nullptr || seqk[tid] == seq_last;
-                if (same) w = expf(cs_last - csk[tid]) * dtk[tid];
-            }
-            ws[tid] = w;
-        }
-        round_block64_tf32(xs, ST_STRIDE, xsrc + k0 * tok_stride_x, tok_stride_x, rows_p, tid);
-        __syncthreads();  // ws is ready
-        {   // B rows times w, rounded to TF32, in place (the elements this thread copied)
-            const float* src = bsrc + k0 * tok_stride_b;
-            if (vec16_ok(src, tok_stride_b, cols_n)) {
+        // x's rows times w, in place: this thread's 8 rows, 4 columns each.
 #pragma unroll
-                for (int kk = 0; kk < 8; ++kk) {
-                    const int e = tid + kk * 128;
-                    const int r = e >> 4;
-                    float4* p = reinterpret_cast<float4*>(bs + r * ST_STRIDE + ((e & 15) << 2));
-                    const float f = ws[r];
-                    float4 v = *p;
-                    *p = make_float4(tf32_round(v.x * f), tf32_round(v.y * f), tf32_round(v.z * f), tf32_round(v.w * f));
-                }
-            } else {
-#pragma unroll 8
-                for (int kk = 0; kk < 32; ++kk) {
-                    const int e = tid + kk * 128;
-                    float* p = bs + (e >> 6) * ST_STRIDE + (e & 63);
-                    *p = tf32_round(*p * ws[e >> 6]);
-                }
-            }
+        for (int kk = 0; kk < 8; ++kk) {
+            const int r = (tid >> 4) + 8 * kk;
+            const bool same = seq_row == nullptr || seqk[r] == seq_last;
+            const float w = (r < rows_t && same) ? ex2_approx(csl_last - csk[r] * LOG2E_F) * dtk[r] : 0.0f;
+            float4* pv = reinterpret_cast<float4*>(xs + r * ST_STRIDE + ((tid & 15) << 2));
+            const float4 v = *pv;
+            *pv = make_float4(v.x * w, v.y * w, v.z * w, v.w * w);
         }
-        __syncthreads();  // both tiles are ready
+        __syncthreads();  // the scaled tile is ready
+        const float* xa = xs + wm * 32 + g;  // A[p][l] = x[l][p]: read transposed
+        const float* bb = bs + wn * 32 + g;
 #pragma unroll
-        for (int kk = 0; kk < ST_TK / 8; ++kk) {
-            unsigned a[4];
-            load_a_colmajor(a, xs + kk * 8 * ST_STRIDE + warp * 16, ST_STRIDE, g, q);
+        for (int kk = 0; kk < ST_TK; kk += 8) {
+            unsigned a[2][4], bf[4][2];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                unsigned bf[2];
-                load_b_krows(bf, bs + kk * 8 * ST_STRIDE + j * 8, ST_STRIDE, g, q);
-                mma_tf32(acc[j], a, bf);
+            for (int mi = 0; mi < 2; ++mi) {
+                a[mi][0] = __float_as_uint(xa[(kk + q) * ST_STRIDE + mi * 16]);
+                a[mi][1] = __float_as_uint(xa[(kk + q) * ST_STRIDE + mi * 16 + 8]);
+                a[mi][2] = __float_as_uint(xa[(kk + q + 4) * ST_STRIDE + mi * 16]);
+                a[mi][3] = __float_as_uint(xa[(kk + q + 4) * ST_STRIDE + mi * 16 + 8]);
             }
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf) {
+                bf[nf][0] = __float_as_uint(bb[(kk + q) * ST_STRIDE + nf * 8]);
+                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * ST_STRIDE + nf * 8]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
         }
-        __syncthreads();  // every warp is done with buffer k & 1 before stage k + 2 refills it
     }
 
     float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int pr = pr0 + ((e & 2) ? 8 : 0);
-            int nc = j * 8 + 2 * q + (e & 1);
-            if (pr < rows_p && nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + mi * 16 + g + 8 * hf;
+            if (pr >= rows_p) continue;
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf) {
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int nc = wn * 32 + nf * 8 + 2 * q + u;
+                    if (nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[mi][nf][2 * hf + u];
+                }
+            }
         }
-    }
 }
 
-// 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, element e
-// of [headdim, dstate]) (grid: x over the elements, y = heads, z = batch). On entry
+// 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, V
+// consecutive elements e of [headdim, dstate]) (grid: x over the elements, y = heads, z =
+// batch; V = 4 with 16-byte loads when headdim * dstate is a multiple of 4, else 1). On entry
 // chunk_states[b, c, h] holds L_c (2a); with S_0 = initial_states (0 when absent):
 //   chunk_states[b, c, h] = S_c,   S_{c+1} = fma(scale_c, S_c, L_c),   final_states = S_nchunks,
 //   scale_c = exp(cs[last_c]) if seq(last_c) == seq(last_{c-1}) (seq(last_{-1}) = 0), else 0,
@@ -295,34 +293,45 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
 // loads of 8 chunks are issued before their chain is walked.
 #define SP_THREADS 256
 #define SP_UNROLL 8
-extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(
-    const float* __restrict__ dA_cumsum,       // [batch, nheads, nchunks, chunk_size]
-    const float* __restrict__ initial_states,  // [batch, nheads, headdim, dstate] or null
-    const int* __restrict__ seq_idx,           // [batch, seqlen] or null
-    float* __restrict__ chunk_states,          // [batch, nchunks, nheads, headdim, dstate]
-    float* __restrict__ final_states,          // [batch, nheads, headdim, dstate]
-    int seqlen, int nheads, int headdim, int dstate, int chunk_size, int nchunks)
+template <int V>
+struct vecf;
+template <>
+struct vecf<1> { typedef float T; };
+template <>
+struct vecf<4> { typedef float4 T; };
+__device__ __forceinline__ float vfma(float s, float a, float b) { return fmaf(s, a, b); }
+__device__ __forceinline__ float4 vfma(float s, float4 a, float4 b) {
+    return make_float4(fmaf(s, a.x, b.x), fmaf(s, a.y, b.y), fmaf(s, a.z, b.z), fmaf(s, a.w, b.w));
+}
+template <int V>
+__device__ __forceinline__ void state_passing_body(
+    const float* __restrict__ dA_cumsum, const float* __restrict__ initial_states, const int* __restrict__ seq_idx,
+    float* __restrict__ chunk_states, float* __restrict__ final_states, int seqlen, int nheads, int headdim,
+    int dstate, int chunk_size, int nchunks)
 {
+    typedef typename vecf<V>::T T;
     const i64 n = (i64)headdim * dstate;
-    const i64 e = (i64)blockIdx.x * SP_THREADS + threadIdx.x;
+    const i64 e = ((i64)blockIdx.x * SP_THREADS + threadIdx.x) * V;
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     if (e >= n) return;  // no barrier below
     const i64 bh = (i64)b * nheads + h;
-    float run = initial_states != nullptr ? initial_states[bh * n + e] : 0.0f;
+    T run = T{};  // zero
+    if (initial_states != nullptr) run = *reinterpret_cast<const T*>(initial_states + bh * n + e);
     const i64 cstride = (i64)nheads * n;  // from one chunk to the next
     float* p = chunk_states + ((i64)b * nchunks * nheads + h) * n + e;
     const float* cs_row = dA_cumsum + bh * nchunks * chunk_size;
     int seq_prev = 0;
     for (int c0 = 0; c0 < nchunks; c0 += SP_UNROLL) {
-        float own[SP_UNROLL], sc[SP_UNROLL];
+        T own[SP_UNROLL];
+        float sc[SP_UNROLL];
 #pragma unroll
         for (int k = 0; k < SP_UNROLL; ++k) {
             const int c = c0 + k;
-            own[k] = 0.0f;
+            own[k] = T{};
             sc[k] = 0.0f;
             if (c < nchunks) {
-                own[k] = p[(i64)c * cstride];
+                own[k] = *reinterpret_cast<const T*>(p + (i64)c * cstride);
                 const i64 t0 = (i64)c * chunk_size;
                 const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
                 const int seq_new = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
@@ -334,10 +343,26 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(
         for (int k = 0; k < SP_UNROLL; ++k) {
             const int c = c0 + k;
             if (c < nchunks) {
-                p[(i64)c * cstride] = run;
-                run = fmaf(sc[k], run, own[k]);
+                *reinterpret_cast<T*>(p + (i64)c * cstride) = run;
+                run = vfma(sc[k], run, own[k]);
             }
         }
     }
-    final_states[bh * n + e] = run;
+    *reinterpret_cast<T*>(final_states + bh * n + e) = run;
+}
+
+extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(
+    const float* __restrict__ dA_cumsum,       // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ initial_states,  // [batch, nheads, headdim, dstate] or null
+    const int* __restrict__ seq_idx,           // [batch, seqlen] or null
+    float* __restrict__ chunk_states,          // [batch, nchunks, nheads, headdim, dstate]
+    float* __restrict__ final_states,          // [batch, nheads, headdim, dstate]
+    int seqlen, int nheads, int headdim, int dstate, int chunk_size, int nchunks, int vec4)
+{
+    if (vec4)
+        state_passing_body<4>(dA_cumsum, initial_states, seq_idx, chunk_states, final_states, seqlen, nheads,
+                              headdim, dstate, chunk_size, nchunks);
+    else
+        state_passing_body<1>(dA_cumsum, initial_states, seq_idx, chunk_states, final_states, seqlen, nheads,
+                              headdim, dstate, chunk_size, nchunks);
 }

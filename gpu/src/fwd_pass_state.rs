@@ -76,8 +76,15 @@ impl Gpu {
             unsafe { launch.launch(cfg) }?;
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;
+            // 4 elements per thread (16-byte loads) where the rows allow it.
+            let vec4 = n.is_multiple_of(4);
+            let per_block = if vec4 { 1024 } else { 256 };
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(256) as u32, d.nheads as u32, d.batch as u32),
+                grid_dim: (
+                    n.div_ceil(per_block) as u32,
+                    d.nheads as u32,
+                    d.batch as u32,
+                ),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -99,8 +106,11 @@ impl Gpu {
             for s in &pass_sizes {
                 launch.arg(s);
             }
+            let vec4 = i32::from(vec4);
+            launch.arg(&vec4);
             // SAFETY: the argument list matches `ssd_state_passing` in kernels/fwd_pass_state.cu;
             // buffers checked against the sizes; grid x <= ceil(headdim * dstate / 256), small
+            // (every CudaSlice allocation is 256-byte aligned, so the 16-byte loads are too)
             // since `shape::check` bounds headdim by 65535 * 64 and dstate by 256.
             unsafe { launch.launch(cfg) }?;
             return Ok(());
