@@ -23,8 +23,10 @@ impl Gpu {
     /// Where the outputs hold the scores scratch (chunk sizes 64 to 512, see `docs/gpu.md`):
     /// first `C B^T` once per (batch, chunk, group) and pair of 64-row tiles on or below the
     /// diagonal (`ssd_chunk_cb`), then the output kernel that reads those scores and streams
-    /// its tiles through a cp.async double buffer (`ssd_compute_out_cb`); the same sums in the
-    /// same order, so the same bits, as the single kernel (`ssd_compute_out`) used elsewhere.
+    /// its tiles through a cp.async double buffer (`ssd_compute_out_cb`: raw f32 operands, the
+    /// tensor cores truncate them to TF32; left of the diagonal without `seq_idx` the decay
+    /// splits into a row and a column factor, both at most 1). The single kernel
+    /// (`ssd_compute_out`) serves every other chunk size.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
