@@ -551,7 +551,10 @@ __device__ __forceinline__ void compute_out_cb_body(
         }
     }
 
-    // Epilogue: D skip, z gate, store (pairs of neighbouring columns).
+    // Epilogue: D skip, z gate, store (pairs of neighbouring columns). The last step was the
+    // diagonal tile, whose x rows are this block's own rows, unscaled and still in shared
+    // memory: the D term reads them there instead of from L2 (64 x 64 floats per block).
+    const float* x_own = smem + ((nsteps - 1) & 1) * CO2_BUF + 64 * CO2_A;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -567,7 +570,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                     if (col >= cols_p) continue;  // cols_p is a multiple of 4: col + 1 is in too
                     const i64 off = row_off + col;
                     if (Dv != nullptr) {
-                        const float2 xv = *reinterpret_cast<const float2*>(x + off);
+                        const float2 xv = *reinterpret_cast<const float2*>(x_own + r * CO_XSTRIDE + col);
                         const float d0 = d_per_channel ? Dv[(i64)h * headdim + p0 + col] : Dv[h];
                         const float d1 = d_per_channel ? Dv[(i64)h * headdim + p0 + col + 1] : d0;
                         y[0] += d0 * xv.x;
@@ -587,7 +590,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                         float yy = y[u];
                         if (Dv != nullptr) {
                             const float d = d_per_channel ? Dv[(i64)h * headdim + p0 + col + u] : Dv[h];
-                            yy += d * x[off];
+                            yy += d * x_own[r * CO_XSTRIDE + col + u];
                         }
                         if (z != nullptr) {
                             const float zz = z[off];
