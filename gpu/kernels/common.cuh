@@ -60,6 +60,40 @@ __device__ __forceinline__ void load_b_nrows(unsigned (&b)[2], const float* base
     b[1] = __float_as_uint(base[g * stride + q + 4]);
 }
 
+// acc[j] += A B for one warp: A is 16 rows x nk (row-major at `a`, row stride `stride`), B is
+// nk x 64 stored n-major (B[k][n] = b[n * stride + k]), nk a multiple of 8; acc[j] holds the
+// columns 8j .. 8j + 7 in the C fragment layout. k ascending, the same order at every call.
+__device__ __forceinline__ void mma_16x64_nmajor(float (&acc)[8][4], const float* a, const float* b, int stride,
+                                                 int nk, int g, int q) {
+    for (int kk = 0; kk < nk; kk += 8) {
+        unsigned af[4];
+        load_a_rowmajor(af, a + kk, stride, g, q);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            unsigned bf[2];
+            load_b_nrows(bf, b + j * 8 * stride + kk, stride, g, q);
+            mma_tf32(acc[j], af, bf);
+        }
+    }
+}
+
+// A warp's 32 x 32 quarter of a 64 x 64 tile (the 2 x 2 warp split): 2 row fragments of 16 by
+// 4 column fragments of 8.
+__device__ __forceinline__ void zero_2x4(float (&acc)[2][4][4]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+}
+__device__ __forceinline__ void mma_2x4(float (&acc)[2][4][4], const unsigned (&a)[2][4], const unsigned (&b)[4][2]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
+}
+
 // Copies a ROWS x 64 block of a row-major global matrix into shared memory, rounded to TF32,
 // optionally scaling row r by row_scale[r] first (SCALE):
 //   dst[r * dst_stride + c] = tf32(src[r * src_stride + c] (* row_scale[r]))

@@ -100,16 +100,7 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
         const float* st = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate + (i64)p0 * dstate;
         load_tile_tf32<CO_TP, CO_THREADS>(b_tile, NS, st, dstate, cols_p, dstate, NC64, tid);
         __syncthreads();
-        for (int kk = 0; kk < NK; kk += 8) {
-            unsigned a[4];
-            load_a_rowmajor(a, c_tile + warp * 16 * NS + kk, NS, g, q);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                unsigned bf[2];
-                load_b_nrows(bf, b_tile + j * 8 * NS + kk, NS, g, q);
-                mma_tf32(acc[j], a, bf);
-            }
-        }
+        mma_16x64_nmajor(acc, c_tile + warp * 16 * NS, b_tile, NS, NK, g, q);
         const int seq_prev = (seq_row == nullptr || c == 0) ? 0 : seq_row[t0 - 1];
         const float f0 = seq_i[r0] == seq_prev ? expf(cs_i[r0]) : 0.0f;
         const float f1 = seq_i[r0 + 8] == seq_prev ? expf(cs_i[r0 + 8]) : 0.0f;
@@ -143,16 +134,7 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
 #pragma unroll
             for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
         }
-        for (int kk = 0; kk < NK; kk += 8) {
-            unsigned a[4];
-            load_a_rowmajor(a, c_tile + warp * 16 * NS + kk, NS, g, q);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                unsigned bf[2];
-                load_b_nrows(bf, b_tile + j * 8 * NS + kk, NS, g, q);
-                mma_tf32(sc[j], a, bf);
-            }
-        }
+        mma_16x64_nmajor(sc, c_tile + warp * 16 * NS, b_tile, NS, NK, g, q);
         // Mask (causal, same sequence, inside seqlen) and decay, then stage as TF32.
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -258,16 +240,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
     }
-    for (int kk = 0; kk < NK; kk += 8) {
-        unsigned a[4];
-        load_a_rowmajor(a, c_tile + warp * 16 * NS + kk, NS, g, q);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            unsigned bf[2];
-            load_b_nrows(bf, b_tile + j * 8 * NS + kk, NS, g, q);
-            mma_tf32(sc[j], a, bf);
-        }
-    }
+    mma_16x64_nmajor(sc, c_tile + warp * 16 * NS, b_tile, NS, NK, g, q);
     float* dst = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + pair) * 4096;
     const int r0 = warp * 16 + g;
 #pragma unroll
@@ -381,12 +354,7 @@ __device__ __forceinline__ void compute_out_cb_body(
     };
 
     float acc[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 4; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+    zero_2x4(acc);
 
     // ldmatrix lane offsets (floats): an A fragment (16 rows x 8 k) of a row-major tile, and two
     // B fragments (16 n x 8 k) of a tile stored n-major, both at stride CO2_A.
@@ -434,10 +402,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                     bf[2 * np + 1][0] = r4[2];
                     bf[2 * np + 1][1] = r4[3];
                 }
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                    for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+                mma_2x4(acc, a, bf);
             }
         } else {
             const int jt = s - nslab;
@@ -543,10 +508,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                     bf[nf][0] = __float_as_uint(xb[(kk + q) * CO_XSTRIDE + nf * 8]);
                     bf[nf][1] = __float_as_uint(xb[(kk + q + 4) * CO_XSTRIDE + nf * 8]);
                 }
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                    for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+                mma_2x4(acc, a, bf);
             }
         }
     }

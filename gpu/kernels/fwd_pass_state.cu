@@ -154,8 +154,8 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // and seq_idx are in flight. Each stage: x's rows scaled by w in place (one pass), then the
 // product, the four warps splitting the 64 x 64 tile 2 x 2 (32 x 32 each). Operands go to
 // the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
-// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x 72, cs 64, dt' 64, seq 64, w 64].
-#define SL_BUF (2 * ST_TK * ST_STRIDE + 4 * ST_TK)
+// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x 72, cs 64, dt' 64, seq 64].
+#define SL_BUF (2 * ST_TK * ST_STRIDE + 3 * ST_TK)
 extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_local(
     const float* __restrict__ x,          // [batch, seqlen, nheads, headdim]
     const float* __restrict__ Bm,         // [batch, seqlen, ngroups, dstate]
@@ -182,12 +182,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
     const int cols_n = min(ST_TN, dstate - n0);
 
     float acc[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 4; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+    zero_2x4(acc);
     const i64 tok_stride_x = (i64)nheads * headdim;
     const i64 tok_stride_b = (i64)ngroups * dstate;
     const i64 t0 = (i64)c * chunk_size;
@@ -258,10 +253,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
                 bf[nf][0] = __float_as_uint(bb[(kk + q) * ST_STRIDE + nf * 8]);
                 bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * ST_STRIDE + nf * 8]);
             }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+            mma_2x4(acc, a, bf);
         }
     }
 

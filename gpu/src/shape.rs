@@ -166,8 +166,8 @@ pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
 pub(crate) const COMPUTE_OUT_CB_SMEM_BYTES: usize = (2 * (64 * 68 + 64 * 72 + 3 * 64) + 128) * 4;
 
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
-/// bytes: two buffers of `2 * 64 * 72 + 4 * 64` floats.
-pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (2 * 64 * 72 + 4 * 64) * 4;
+/// bytes: two buffers of `2 * 64 * 72 + 3 * 64` floats.
+pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (2 * 64 * 72 + 3 * 64) * 4;
 
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
