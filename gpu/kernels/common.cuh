@@ -183,34 +183,36 @@ __device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int c
 
 // Starts copying a 64 x 64 block of a row-major global matrix into shared memory (raw f32):
 //   dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows_valid, c < cols_valid, 0
-// elsewhere. dst_stride must be a multiple of 4. 128 threads; the same thread -> element map
-// as round_block64_tf32, which rounds the block in place once the copies have landed.
-// VEC: 16-byte copies, only where vec16_ok holds (the caller decides, once per kernel).
-template <bool VEC>
+// elsewhere. dst_stride must be a multiple of 4. NT threads (tid < NT; 128 by default, the
+// same thread -> element map as round_block64_tf32, which rounds the block in place once the
+// copies have landed). VEC: 16-byte copies, only where vec16_ok holds (the caller decides,
+// once per kernel).
+template <bool VEC, int NT = 128>
 __device__ __forceinline__ void async_block64_v(float* dst, int dst_stride, const float* __restrict__ src,
                                                 i64 src_stride, int rows_valid, int cols_valid, int tid) {
     if (VEC) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            int e = tid + k * 128;
+        for (int k = 0; k < 1024 / NT; ++k) {
+            int e = tid + k * NT;
             int r = e >> 4, c = (e & 15) << 2;
             cp_async16(dst + r * dst_stride + c, src + r * src_stride + c, r < rows_valid && c < cols_valid, src);
         }
     } else {
 #pragma unroll 8
-        for (int k = 0; k < 32; ++k) {
-            int e = tid + k * 128;
+        for (int k = 0; k < 4096 / NT; ++k) {
+            int e = tid + k * NT;
             int r = e >> 6, c = e & 63;
             cp_async4(dst + r * dst_stride + c, src + r * src_stride + c, r < rows_valid && c < cols_valid, src);
         }
     }
 }
+template <int NT = 128>
 __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const float* __restrict__ src,
                                               i64 src_stride, int rows_valid, int cols_valid, int tid) {
     if (vec16_ok(src, src_stride, cols_valid))
-        async_block64_v<true>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
+        async_block64_v<true, NT>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
     else
-        async_block64_v<false>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
+        async_block64_v<false, NT>(dst, dst_stride, src, src_stride, rows_valid, cols_valid, tid);
 }
 
 // Four 8 x 4 matrices of 32-bit words from shared memory, one instruction (ldmatrix with b16

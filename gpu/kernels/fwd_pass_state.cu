@@ -145,41 +145,42 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // Stage 2, split in two for parallelism (the default path; ssd_fwd_pass_state above is the
 // fused sequential variant, kept selectable).
 //
-// 2a. Each chunk's own state, all chunks in parallel: one block of 128 threads per (batch b,
-// chunk c, head h, 64 x 64 tile of [headdim, dstate]), writing into chunk_states[b, c, h]
+// 2a. Each chunk's own state, all chunks in parallel: one block per (batch b, chunk c, head h,
+// tile of 64 headdim rows x TN dstate columns), writing into chunk_states[b, c, h]
 //   L_c[p, n] = sum_{l <= last, seq(l) == seq(last)} (x[l, p] * w[l]) * B[l, n],
 //   w[l] = 2^((cs[last] - cs[l]) log2 e) * dt'[l],
-// started from zero. The grid's x is chunk-major: c * tiles + tile. The 64-token stages stream
+// started from zero. TN = 64 (4 warps, ssd_chunk_state_local) or 128 (8 warps,
+// ssd_chunk_state_local_wide, for dstate > 64: each x tile is read once per 128 columns instead
+// of once per 64). The grid's x is chunk-major: c * tiles + tile. The 64-token stages stream
 // through a cp.async double buffer: while stage k is multiplied, stage k + 1's x, B, cs, dt'
 // and seq_idx are in flight. Each stage: x's rows scaled by w in place (one pass), then the
-// product, the four warps splitting the 64 x 64 tile 2 x 2 (32 x 32 each). Operands go to
+// product, warp (wm, wn) computing rows 32 wm and columns 32 wn of the tile. Operands go to
 // the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
-// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x 72, cs 64, dt' 64, seq 64].
-#define SL_BUF (2 * ST_TK * ST_STRIDE + 3 * ST_TK)
-extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_local(
-    const float* __restrict__ x,          // [batch, seqlen, nheads, headdim]
-    const float* __restrict__ Bm,         // [batch, seqlen, ngroups, dstate]
-    const float* __restrict__ dt_out,     // [batch, nheads, nchunks, chunk_size]
-    const float* __restrict__ dA_cumsum,  // [batch, nheads, nchunks, chunk_size]
-    const int* __restrict__ seq_idx,      // [batch, seqlen] or null
-    float* __restrict__ chunk_states,     // [batch, nchunks, nheads, headdim, dstate] (L_c here)
+// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x (TN + 8), cs 64, dt' 64, seq 64].
+#define SL_BUF(TN) (ST_TK * ST_STRIDE + ST_TK * ((TN) + 8) + 3 * ST_TK)
+template <int TN>
+__device__ __forceinline__ void chunk_state_local_body(
+    float* smem, const float* __restrict__ x, const float* __restrict__ Bm, const float* __restrict__ dt_out,
+    const float* __restrict__ dA_cumsum, const int* __restrict__ seq_idx, float* __restrict__ chunk_states,
     int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
 {
-    extern __shared__ __align__(16) float smem[];
+    constexpr int NT = 2 * TN;           // threads: 2 x (TN / 32) warps
+    constexpr int BS = TN + 8;           // B's row stride: 8 mod 32, conflict-free fragments
+    constexpr int BUF = SL_BUF(TN);
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 x 32 quarter: rows p, columns n
-    const int ntiles_n = (dstate + ST_TN - 1) / ST_TN;
+    const int wm = warp & 1, wn = warp >> 1;  // this warp's 32 x 32 part: rows p, columns n
+    const int ntiles_n = (dstate + TN - 1) / TN;
     const int tiles = ((headdim + ST_TP - 1) / ST_TP) * ntiles_n;
     const int c = blockIdx.x / tiles;
     const int tile = blockIdx.x % tiles;
     const int p0 = (tile / ntiles_n) * ST_TP;
-    const int n0 = (tile % ntiles_n) * ST_TN;
+    const int n0 = (tile % ntiles_n) * TN;
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int grp = h / (nheads / ngroups);
     const int rows_p = min(ST_TP, headdim - p0);
-    const int cols_n = min(ST_TN, dstate - n0);
+    const int cols_n = min(TN, dstate - n0);
 
     float acc[2][4][4];
     zero_2x4(acc);
@@ -196,13 +197,16 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
     const int nst = last / ST_TK + 1;
 
     auto issue = [&](int k) {
-        float* xs = smem + (k & 1) * SL_BUF;
+        float* xs = smem + (k & 1) * BUF;
         float* bs = xs + ST_TK * ST_STRIDE;
-        float* csk = bs + ST_TK * ST_STRIDE;
+        float* csk = bs + ST_TK * BS;
         const int k0 = k * ST_TK;
         const int rows_t = min(ST_TK, last + 1 - k0);
-        async_block64(xs, ST_STRIDE, xsrc + k0 * tok_stride_x, tok_stride_x, rows_t, rows_p, tid);
-        async_block64(bs, ST_STRIDE, bsrc + k0 * tok_stride_b, tok_stride_b, rows_t, cols_n, tid);
+        async_block64<NT>(xs, ST_STRIDE, xsrc + k0 * tok_stride_x, tok_stride_x, rows_t, rows_p, tid);
+#pragma unroll
+        for (int nb = 0; nb < TN / 64; ++nb)
+            async_block64<NT>(bs + nb * 64, BS, bsrc + k0 * tok_stride_b + nb * 64, tok_stride_b, rows_t,
+                              cols_n - nb * 64, tid);
         if (tid < ST_TK) {
             const bool ok = tid < rows_t;
             cp_async4(csk + tid, dA_cumsum + cb + k0 + tid, ok, dA_cumsum);
@@ -218,17 +222,17 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
         __syncthreads();     // everyone's have, and everyone is done with stage k - 1's buffer
         if (k + 1 < nst) issue(k + 1);
         cp_async_commit();
-        float* xs = smem + (k & 1) * SL_BUF;
+        float* xs = smem + (k & 1) * BUF;
         const float* bs = xs + ST_TK * ST_STRIDE;
-        const float* csk = bs + ST_TK * ST_STRIDE;
+        const float* csk = bs + ST_TK * BS;
         const float* dtk = csk + ST_TK;
         const int* seqk = (const int*)(dtk + ST_TK);
         const int k0 = k * ST_TK;
         const int rows_t = min(ST_TK, last + 1 - k0);
-        // x's rows times w, in place: this thread's 8 rows, 4 columns each.
+        // x's rows times w, in place: this thread's 4 columns of 1024 / NT rows.
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const int r = (tid >> 4) + 8 * kk;
+        for (int kk = 0; kk < 1024 / NT; ++kk) {
+            const int r = (tid >> 4) + (NT / 16) * kk;
             const bool same = seq_row == nullptr || seqk[r] == seq_last;
             const float w = (r < rows_t && same) ? ex2_approx(csl_last - csk[r] * LOG2E_F) * dtk[r] : 0.0f;
             float4* pv = reinterpret_cast<float4*>(xs + r * ST_STRIDE + ((tid & 15) << 2));
@@ -250,8 +254,8 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
             }
 #pragma unroll
             for (int nf = 0; nf < 4; ++nf) {
-                bf[nf][0] = __float_as_uint(bb[(kk + q) * ST_STRIDE + nf * 8]);
-                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * ST_STRIDE + nf * 8]);
+                bf[nf][0] = __float_as_uint(bb[(kk + q) * BS + nf * 8]);
+                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * BS + nf * 8]);
             }
             mma_2x4(acc, a, bf);
         }
@@ -273,6 +277,25 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 3) ssd_chunk_state_loca
                 }
             }
         }
+}
+
+#define CHUNK_STATE_LOCAL_ARGS                                                                              \
+    const float *__restrict__ x,          /* [batch, seqlen, nheads, headdim] */                           \
+        const float *__restrict__ Bm,     /* [batch, seqlen, ngroups, dstate] */                           \
+        const float *__restrict__ dt_out, /* [batch, nheads, nchunks, chunk_size] */                       \
+        const float *__restrict__ dA_cumsum, /* [batch, nheads, nchunks, chunk_size] */                    \
+        const int *__restrict__ seq_idx,     /* [batch, seqlen] or null */                                 \
+        float *__restrict__ chunk_states,    /* [batch, nchunks, nheads, headdim, dstate] (L_c here) */    \
+        int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_chunk_state_local(CHUNK_STATE_LOCAL_ARGS) {
+    extern __shared__ __align__(16) float smem[];
+    chunk_state_local_body<64>(smem, x, Bm, dt_out, dA_cumsum, seq_idx, chunk_states, seqlen, nheads, headdim,
+                               ngroups, dstate, chunk_size, nchunks);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_wide(CHUNK_STATE_LOCAL_ARGS) {
+    extern __shared__ __align__(16) float smem[];
+    chunk_state_local_body<128>(smem, x, Bm, dt_out, dA_cumsum, seq_idx, chunk_states, seqlen, nheads, headdim,
+                                ngroups, dstate, chunk_size, nchunks);
 }
 
 // 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, V

@@ -3,7 +3,9 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
-use crate::shape::{CHUNK_STATE_LOCAL_SMEM_BYTES, TILE_N, TILE_P};
+use crate::shape::{
+    CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
+};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
 impl Gpu {
@@ -48,17 +50,31 @@ impl Gpu {
             int(o.chunk_size),
             int(nchunks),
         ];
+        // 2a's tiles: 128 dstate columns per block (8 warps) above dstate 64, else 64 (4 warps).
+        let wide = d.dstate > TILE_N;
+        let (split_tiles, threads, smem, state_local_fn) = if wide {
+            let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
+            let f = &self.chunk_state_local_wide_fn;
+            (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
+        } else {
+            (
+                tiles,
+                128,
+                CHUNK_STATE_LOCAL_SMEM_BYTES,
+                &self.chunk_state_local_fn,
+            )
+        };
         let split_grid = nchunks
-            .checked_mul(tiles)
+            .checked_mul(split_tiles)
             .filter(|&g| g <= i32::MAX as usize);
         if let (false, Some(gx)) = (self.legacy, split_grid) {
             // 2a: every chunk's own state, in parallel.
             let cfg = LaunchConfig {
                 grid_dim: (gx as u32, d.nheads as u32, d.batch as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: CHUNK_STATE_LOCAL_SMEM_BYTES as u32,
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: smem as u32,
             };
-            let mut launch = stream.launch_builder(&self.chunk_state_local_fn);
+            let mut launch = stream.launch_builder(state_local_fn);
             launch
                 .arg(&inputs.x)
                 .arg(&inputs.B)
@@ -69,10 +85,10 @@ impl Gpu {
             for s in &sizes {
                 launch.arg(s);
             }
-            // SAFETY: the argument list matches `ssd_chunk_state_local` in
-            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above;
-            // 74 KB of dynamic shared memory fit every device of compute capability 8.0 or
-            // newer (opt-in raised at load).
+            // SAFETY: the argument list matches `ssd_chunk_state_local` and
+            // `ssd_chunk_state_local_wide` in kernels/fwd_pass_state.cu; buffers checked against
+            // the sizes, grid checked above; 74 KB or 106 KB of dynamic shared memory fit every
+            // device of compute capability 8.0 or newer (opt-in raised at load).
             unsafe { launch.launch(cfg) }?;
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;

@@ -23,6 +23,7 @@ pub struct Gpu {
     pub(crate) fwd_pass_state_fn: CudaFunction,
     pub(crate) compute_out_fn: CudaFunction,
     pub(crate) chunk_state_local_fn: CudaFunction,
+    pub(crate) chunk_state_local_wide_fn: CudaFunction,
     pub(crate) state_passing_fn: CudaFunction,
     pub(crate) chunk_cb_fn: CudaFunction,
     pub(crate) compute_out_cb_fn: CudaFunction,
@@ -84,6 +85,7 @@ impl Gpu {
         let fwd_pass_state_fn = module.load_function(kernels::FWD_PASS_STATE)?;
         let compute_out_fn = module.load_function(kernels::COMPUTE_OUT)?;
         let chunk_state_local_fn = module.load_function(kernels::CHUNK_STATE_LOCAL)?;
+        let chunk_state_local_wide_fn = module.load_function(kernels::CHUNK_STATE_LOCAL_WIDE)?;
         let state_passing_fn = module.load_function(kernels::STATE_PASSING)?;
         let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
@@ -95,6 +97,7 @@ impl Gpu {
             &chunk_cb_fn,
             &compute_out_cb_fn,
             &chunk_state_local_fn,
+            &chunk_state_local_wide_fn,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -111,6 +114,7 @@ impl Gpu {
             fwd_pass_state_fn,
             compute_out_fn,
             chunk_state_local_fn,
+            chunk_state_local_wide_fn,
             state_passing_fn,
             chunk_cb_fn,
             compute_out_cb_fn,

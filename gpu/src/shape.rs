@@ -166,8 +166,11 @@ pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
 pub(crate) const COMPUTE_OUT_CB_SMEM_BYTES: usize = (2 * (64 * 68 + 64 * 72 + 3 * 64) + 128) * 4;
 
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
-/// bytes: two buffers of `2 * 64 * 72 + 3 * 64` floats.
-pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (2 * 64 * 72 + 3 * 64) * 4;
+/// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats.
+pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (64 * 72 + 64 * 72 + 3 * 64) * 4;
+/// The same for `ssd_chunk_state_local_wide` (128 dstate columns per block):
+/// two buffers of `64 * 72 + 64 * (128 + 8) + 3 * 64` floats.
+pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize = 2 * (64 * 72 + 64 * 136 + 3 * 64) * 4;
 
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
@@ -273,6 +276,10 @@ mod tests {
             assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
             assert!(bytes <= 163 * 1024, "{bytes}");
         }
+        // the wide state kernel: 2 blocks of 256 threads per Hopper SM
+        let wide = CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES;
+        assert!(2 * (wide + 1024) <= 228 * 1024, "{wide}");
+        assert!(wide <= 163 * 1024, "{wide}");
         assert!(chunk_cb_smem_bytes(MAX_DSTATE) <= compute_out_smem_bytes(MAX_DSTATE));
     }
 
