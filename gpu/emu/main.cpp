@@ -90,14 +90,21 @@ int main(int argc, char** argv) {
     std::vector<float> cbuf((size_t)B * nc * G * npairs * 4096, NAN);
     launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, 2 * 64 * (NC64 + 4) * 4, [&] {
         ssd_chunk_cb(Bm.data(), Cm.data(), cbuf.data(), L, G, N, Q, nc, tmax); });
-    auto run_cb_out = [&](std::vector<float>& out, int vec) {
-        launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, (2 * (64 * 68 + 64 * 72 + 192) + 128) * 4, [&] {
-            ssd_compute_out_cb(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec); });
+    // rows: 128 (ssd_compute_out_cb128, what the host launches when tmax >= 2) or 64.
+    auto run_cb_out = [&](std::vector<float>& out, int vec, int rows) {
+        launch({(unsigned)(nc * ((Q + rows - 1) / rows)), (unsigned)(H * ptiles), (unsigned)B}, 2 * rows, (2 * (rows * 68 + 64 * 72 + 192) + 2 * rows) * 4, [&] {
+            if (rows == 128)
+                ssd_compute_out_cb128(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec);
+            else
+                ssd_compute_out_cb(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec); });
     };
     const int vec16 = (P % 4 == 0 && N % 4 == 0) ? 1 : 0;
-    run_cb_out(outN, vec16);
+    const int rows = tmax >= 2 ? 128 : 64;
+    run_cb_out(outN, vec16, rows);
     std::vector<float> outS(nx, NAN);
-    if (vec16) run_cb_out(outS, 0); else outS = outN;
+    if (vec16) run_cb_out(outS, 0, rows); else outS = outN;
+    std::vector<float> out64(nx, NAN);
+    if (rows == 128) run_cb_out(out64, vec16, 64); else out64 = outN;
     run_old_out(cstN, outLN);
     // tol: max |diff| allowed, relative to max(max|ref|, 1). Version 2's kernels feed raw f32
     // operands and 2^x instead of TF32-rounded ones and exp (5e-3, about 10 TF32 units): a
@@ -114,5 +121,6 @@ int main(int argc, char** argv) {
     nans += cmp("out new vs legacy", outN, outL, 5e-3);
     nans += cmp("out new vs old-kernel(newS)", outN, outLN, 5e-3);
     nans += cmp("out 16-byte vs 4-byte copies", outN, outS, 0.0);
+    nans += cmp("out 64-row blocks vs legacy", out64, outL, 5e-3);
     printf("RESULT %s\n", nans ? "NAN or large difference" : "ok");
 }

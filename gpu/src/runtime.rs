@@ -27,6 +27,7 @@ pub struct Gpu {
     pub(crate) state_passing_fn: CudaFunction,
     pub(crate) chunk_cb_fn: CudaFunction,
     pub(crate) compute_out_cb_fn: CudaFunction,
+    pub(crate) compute_out_cb128_fn: CudaFunction,
     /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
     /// state pass and the output kernel that computes its own scores), kept selectable for
     /// comparison. Version 2, the default, was validated on the H200 like version 1.
@@ -89,6 +90,7 @@ impl Gpu {
         let state_passing_fn = module.load_function(kernels::STATE_PASSING)?;
         let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
+        let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
@@ -96,6 +98,7 @@ impl Gpu {
             &compute_out_fn,
             &chunk_cb_fn,
             &compute_out_cb_fn,
+            &compute_out_cb128_fn,
             &chunk_state_local_fn,
             &chunk_state_local_wide_fn,
         ] {
@@ -118,6 +121,7 @@ impl Gpu {
             state_passing_fn,
             chunk_cb_fn,
             compute_out_cb_fn,
+            compute_out_cb128_fn,
             legacy,
             target,
             name,

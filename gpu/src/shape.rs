@@ -161,9 +161,21 @@ pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
     2 * TILE_M * (dstate.div_ceil(64) * 64 + 4) * 4
 }
 
-/// Dynamic shared memory of `ssd_compute_out_cb` (layout in `kernels/compute_out.cu`), in
-/// bytes: two buffers of `64 * 68 + 64 * 72 + 3 * 64` floats, then 128.
-pub(crate) const COMPUTE_OUT_CB_SMEM_BYTES: usize = (2 * (64 * 68 + 64 * 72 + 3 * 64) + 128) * 4;
+/// Dynamic shared memory of `ssd_compute_out_cb` over `rows` (64 or 128) rows per block
+/// (layout in `kernels/compute_out.cu`), in bytes: two buffers of
+/// `rows * 68 + 64 * 72 + 3 * 64` floats, then `2 * rows`.
+pub(crate) const fn compute_out_cb_smem_bytes(rows: usize) -> usize {
+    (2 * (rows * 68 + 64 * 72 + 3 * 64) + 2 * rows) * 4
+}
+/// The output kernel's rows per block: 128 (`ssd_compute_out_cb128`, 256 threads) when a chunk
+/// holds two or more 64-row score tiles, else 64 (`ssd_compute_out_cb`, 128 threads).
+pub(crate) fn compute_out_cb_rows(score_tiles: usize) -> usize {
+    if score_tiles >= 2 {
+        128
+    } else {
+        64
+    }
+}
 
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
 /// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats.
@@ -272,14 +284,19 @@ mod tests {
     #[test]
     fn version_2_smem_fits_three_blocks_per_hopper_sm_and_an_a100() {
         // 228 KB per SM on Hopper, 1 KB of it reserved per block; 163 KB per block on an A100.
-        for bytes in [COMPUTE_OUT_CB_SMEM_BYTES, CHUNK_STATE_LOCAL_SMEM_BYTES] {
+        for bytes in [compute_out_cb_smem_bytes(64), CHUNK_STATE_LOCAL_SMEM_BYTES] {
             assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
             assert!(bytes <= 163 * 1024, "{bytes}");
         }
-        // the wide state kernel: 2 blocks of 256 threads per Hopper SM
-        let wide = CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES;
-        assert!(2 * (wide + 1024) <= 228 * 1024, "{wide}");
-        assert!(wide <= 163 * 1024, "{wide}");
+        // the wide state kernel and the 128-row output kernel: 2 blocks of 256 threads per
+        // Hopper SM
+        for bytes in [
+            CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
+            compute_out_cb_smem_bytes(128),
+        ] {
+            assert!(2 * (bytes + 1024) <= 228 * 1024, "{bytes}");
+            assert!(bytes <= 163 * 1024, "{bytes}");
+        }
         assert!(chunk_cb_smem_bytes(MAX_DSTATE) <= compute_out_smem_bytes(MAX_DSTATE));
     }
 
