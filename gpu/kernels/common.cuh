@@ -266,9 +266,11 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 __device__ __forceinline__ void st_release_gpu(int* p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// (volatile keeps it after the barrier that follows the acquire; no memory clobber, so that a
+// run of these loads is issued back to back rather than one round trip at a time)
 __device__ __forceinline__ float ld_cg(const float* p) {
     float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ void sleep_ns(unsigned ns) { asm volatile("nanosleep.u32 %0;\n" ::"r"(ns)); }

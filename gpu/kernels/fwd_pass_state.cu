@@ -322,6 +322,22 @@ __device__ __forceinline__ void chunk_state_local_body(
     const int seq_before = (seq_idx == nullptr || c == 0) ? 0 : seq_idx[(i64)b * seqlen + t0 - 1];
     const float scale = seq_last == seq_before ? expf(dA_cumsum[cb + last]) : 0.0f;
     float* s_out = c + 1 < nchunks ? cst + (i64)nheads * n_state : final_states + ((i64)b * nheads + h) * n_state;
+    // All of this thread's S_c loads first (in flight together), then the updates.
+    float s_c[2][2][4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + mi * 16 + g + 8 * hf;
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int nc = wn * 32 + nf * 8 + 2 * q + u;
+                    const bool in = s_in != nullptr && pr < rows_p && nc < cols_n;
+                    s_c[mi][hf][nf][u] = in ? ld_cg(s_in + (i64)(p0 + pr) * dstate + n0 + nc) : 0.0f;
+                }
+        }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -335,7 +351,7 @@ __device__ __forceinline__ void chunk_state_local_body(
                     const int nc = wn * 32 + nf * 8 + 2 * q + u;
                     if (nc >= cols_n) continue;
                     const i64 e = (i64)(p0 + pr) * dstate + n0 + nc;
-                    const float sc = s_in != nullptr ? ld_cg(s_in + e) : 0.0f;
+                    const float sc = s_c[mi][hf][nf][u];
                     if (c == 0) cst[e] = sc;  // S_0
                     s_out[e] = fmaf(scale, sc, acc[mi][nf][2 * hf + u]);
                 }
