@@ -36,7 +36,7 @@ template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; };
-struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[16]; WarpScratch ws[16]; float* dyn; };
+struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
 extern thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
 extern thread_local BlockCtx* g_blk;
 inline void __syncthreads() { g_blk->bar->arrive_and_wait(); }

@@ -251,38 +251,33 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
     }
 }
 
-// 3b. One block of 2 TM HEADS threads per (batch b, chunk c, TM rows i of the chunk, HEADS
-// consecutive heads h of one group, 64 headdim columns p): TM = 128 when the chunk holds two or
-// more 64-row tiles (ssd_compute_out_cb128, HEADS = 1; ssd_compute_out_cb128x2, HEADS = 2),
-// else TM = 64 (ssd_compute_out_cb). Each head has TM / 16 warps, which split its TM x 64
-// output tile in 32 x 32 quarters (warp w of the head: rows 32 (w / 2), columns 32 (w % 2)).
-// The block walks a pipeline of steps, each one set of tiles copied with cp.async into one
-// half of a double buffer while the other half is used:
-//   steps 0 .. nslab-1 (only when the carried state is not 0): C[i, n0:n0+64] (TM rows, shared
-//     by the heads) and each head's S[p, n0:n0+64]; acc += C S^T;
+// 3b. One block of 2 TM threads (TM / 16 warps) per (batch b, chunk c, TM rows i of the chunk,
+// head h, 64 headdim columns p): TM = 128 when the chunk holds two or more 64-row tiles
+// (ssd_compute_out_cb128), else TM = 64 (ssd_compute_out_cb). The warps split the TM x 64
+// output tile in 32 x 32 quarters (warp w: rows 32 (w / 2), columns 32 (w % 2)). The block
+// walks a pipeline of steps, each one pair of tiles copied with cp.async into one half of a
+// double buffer while the other half is used:
+//   steps 0 .. nslab-1 (only when the carried state is not 0): C[i, n0:n0+64] (TM rows) and
+//     S[p, n0:n0+64]; acc += C S^T;
 //   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
 //   steps for each 64-wide column tile jt that holds a j <= i of the block: for each 64-row
-//     half rt of the block with jt <= rt, the raw scores cb[b, c, g, pair(rt, jt)] (shared by
-//     the heads); and each head's x[j, p]. Each head turns the scores into its causal matrix
+//     half rt of the block with jt <= rt, the raw scores cb[b, c, g, pair(rt, jt)]; and x[j, p].
+//     The block turns the scores in place into the causal matrix
 //       M[i, j] = score * 2^((cs_i - cs_j) log2 e) * dt'_j   where j <= i and seq(j) = seq(i),
 //       0 elsewhere (the exponent is -inf there: never evaluated on cs_i - cs_j),
-//     (in place with one head, into the head's own staging tile with two), then acc += M x (a
-//     warp whose rows lie above the tile skips it).
+//     then acc += M x (a warp whose rows lie above the tile skips it).
 // A block over 128 rows reads each state slab and each x tile once for both of its halves:
-// 22% fewer bytes from L2 than two 64-row blocks at chunk 256; two heads per block share the C
-// slabs and the scores: 32% fewer again.
+// 22% fewer bytes from L2 than two 64-row blocks at chunk 256.
 // Operands go to the tensor cores as raw f32 bit patterns (the TF32 product uses their top 19
 // bits, i.e. truncates them: the error model's TF32 operand unit 2^-10); f32 accumulation.
 // Fragments of C, S and M come through ldmatrix, those of x through conflict-free 32-bit loads.
-// Dynamic shared memory (floats): 2 buffers of [TM x 68 (C slab or scores), then per head:
-// 64 x 72 (S slab at stride 68, or x at 72), cs_j[64], dt_j[64], seq_j[64]]; with two heads
-// a TM x 68 staging tile per head; then cs_i[HEADS][TM], seq_i[TM].
+// Dynamic shared memory (floats): 2 buffers of [TM x 68 (C slab or scores), 64 x 72 (S slab at
+// stride 68, or x at 72), cs_j[64], dt_j[64], seq_j[64]], then cs_i[TM], seq_i[TM].
 // vec: every global tile may be copied 16 bytes at a time (headdim and dstate multiples of 4,
 // 16-byte aligned buffers), decided by the host.
 #define CO2_A 68
-#define CO2_HEAD (64 * CO_XSTRIDE + 3 * 64)
-#define CO2_BUF(TM, HEADS) ((TM) * CO2_A + (HEADS) * CO2_HEAD)
-template <bool VEC, int TM, int HEADS>
+#define CO2_BUF(TM) ((TM) * CO2_A + 64 * CO_XSTRIDE + 3 * 64)
+template <bool VEC, int TM>
 __device__ __forceinline__ void compute_out_cb_body(
     float* smem, const float* __restrict__ x, const float* __restrict__ Cm, const float* __restrict__ Dv,
     const float* __restrict__ z, const float* __restrict__ dt_out, const float* __restrict__ dA_cumsum,
@@ -290,24 +285,20 @@ __device__ __forceinline__ void compute_out_cb_body(
     float* __restrict__ out, int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size,
     int nchunks, int d_per_channel, int has_initial_states, int tmax)
 {
-    constexpr int NTH = 2 * TM;        // threads per head
-    constexpr int NT = NTH * HEADS;    // threads per block
-    constexpr int BUF = CO2_BUF(TM, HEADS);
-    const int tid = threadIdx.x;
-    const int hb = HEADS > 1 ? tid / NTH : 0;       // this thread's head in the block
-    const int tid_h = HEADS > 1 ? tid % NTH : tid;  // and its place among that head's threads
-    float* stage = smem + 2 * BUF;     // with two heads: the staging tiles
-    float* cs_i = stage + (HEADS > 1 ? HEADS * TM * CO2_A : 0) + hb * TM;
-    int* seq_i = (int*)(stage + (HEADS > 1 ? HEADS * TM * CO2_A : 0) + HEADS * TM);
+    constexpr int NT = 2 * TM;
+    constexpr int BUF = CO2_BUF(TM);
+    float* cs_i = smem + 2 * BUF;
+    int* seq_i = (int*)(cs_i + TM);
 
-    const int warp = tid_h >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 x 32 quarter of its head's tile
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 x 32 quarter of the output tile
     const int itiles = (chunk_size + TM - 1) / TM;
     const int c = blockIdx.x / itiles;
     const int i0 = (blockIdx.x % itiles) * TM;
     const int t64 = i0 / 64;  // the block's first 64-row tile
     const int ptiles = (headdim + CO_TP - 1) / CO_TP;
-    const int h = (blockIdx.y / ptiles) * HEADS + hb;
+    const int h = blockIdx.y / ptiles;
     const int p0 = (blockIdx.y % ptiles) * CO_TP;
     const int b = blockIdx.z;
     const int grp = h / (nheads / ngroups);
@@ -328,9 +319,9 @@ __device__ __forceinline__ void compute_out_cb_body(
     const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen : nullptr;
     const bool has_seq = seq_row != nullptr;
 
-    for (int r = tid_h; r < TM; r += NTH) {
+    for (int r = tid; r < TM; r += NT) {
         cs_i[r] = r < rows_i ? dA_cumsum[cb + i0 + r] : 0.0f;
-        if (hb == 0) seq_i[r] = (has_seq && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
+        seq_i[r] = (has_seq && r < rows_i) ? seq_row[t0 + i0 + r] : 0;
     }
 
     const int NC64 = ((dstate + 63) / 64) * 64;
@@ -351,7 +342,7 @@ __device__ __forceinline__ void compute_out_cb_body(
     // Starts the copies of step s into buffer s & 1.
     auto issue = [&](int s) {
         float* ta = smem + (s & 1) * BUF;
-        float* tb = ta + TM * CO2_A + hb * CO2_HEAD;  // this head's tiles
+        float* tb = ta + TM * CO2_A;
         if (s < nslab) {
             const int n0 = s * 64;
 #pragma unroll
@@ -359,7 +350,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                 if (hh * 64 < rows_i)
                     async_block64_v<VEC, NT>(ta + hh * 64 * CO2_A, CO2_A, cg + hh * 64 * tok_stride_b + n0,
                                              tok_stride_b, rows_i - hh * 64, dstate - n0, tid);
-            async_block64_v<VEC, NTH>(tb, CO2_A, st + n0, dstate, cols_p, dstate - n0, tid_h);
+            async_block64_v<VEC, NT>(tb, CO2_A, st + n0, dstate, cols_p, dstate - n0, tid);
         } else {
             const int jt = s - nslab;
             const int j0 = jt * 64;
@@ -371,16 +362,15 @@ __device__ __forceinline__ void compute_out_cb_body(
                     async_block64_v<true, NT>(ta + hh * 64 * CO2_A, CO2_A, cbc + (rt * (rt + 1) / 2 + jt) * 4096, 64,
                                               64, 64, tid);
             }
-            async_block64_v<VEC, NTH>(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p,
-                                      tid_h);
+            async_block64_v<VEC, NT>(tb, CO_XSTRIDE, xh + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_p, tid);
             float* cs_j = tb + 64 * CO_XSTRIDE;
             float* dt_j = cs_j + 64;
             int* seq_j = (int*)(dt_j + 64);
-            if (tid_h < 64) {
-                const bool ok = tid_h < rows_j;
-                cp_async4(cs_j + tid_h, dA_cumsum + cb + j0 + tid_h, ok, dA_cumsum);
-                cp_async4(dt_j + tid_h, dt_out + cb + j0 + tid_h, ok, dt_out);
-                if (has_seq) cp_async4(seq_j + tid_h, seq_row + t0 + j0 + tid_h, ok, seq_row);
+            if (tid < 64) {
+                const bool ok = tid < rows_j;
+                cp_async4(cs_j + tid, dA_cumsum + cb + j0 + tid, ok, dA_cumsum);
+                cp_async4(dt_j + tid, dt_out + cb + j0 + tid, ok, dt_out);
+                if (has_seq) cp_async4(seq_j + tid, seq_row + t0 + j0 + tid, ok, seq_row);
             }
         }
     };
@@ -407,12 +397,8 @@ __device__ __forceinline__ void compute_out_cb_body(
         if (s + 1 < nsteps) issue(s + 1);
         cp_async_commit();
         float* ta = smem + (s & 1) * BUF;
-        float* tb = ta + TM * CO2_A + hb * CO2_HEAD;
+        float* tb = ta + TM * CO2_A;
         const unsigned ta_s = smem_base + (unsigned)((s & 1) * BUF) * 4u;
-        // Where this head's causal matrix goes: over the scores with one head, into the
-        // head's staging tile with two (the other head still reads the raw scores).
-        float* mt = HEADS > 1 ? stage + hb * TM * CO2_A : ta;
-        const unsigned mt_s = HEADS > 1 ? smem_base + (unsigned)(2 * BUF + hb * TM * CO2_A) * 4u : ta_s;
         if (s == 0) {
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
@@ -423,7 +409,7 @@ __device__ __forceinline__ void compute_out_cb_body(
         }
         if (s < nslab) {
             if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
-            const unsigned tb_s = ta_s + (unsigned)(TM * CO2_A + hb * CO2_HEAD) * 4u;
+            const unsigned tb_s = ta_s + (unsigned)(TM * CO2_A) * 4u;
             const int kend = min(64, NK - s * 64);
             for (int kk = 0; kk < kend; kk += 8) {
                 unsigned a[2][4], bf[4][2];
@@ -490,10 +476,10 @@ __device__ __forceinline__ void compute_out_cb_body(
                 // (applied above, later) and a column factor, both <= 1 since the cumsum does
                 // not increase. The scores stay raw; x's rows take 2^(R - csl_j) dt'_j.
 #pragma unroll
-                for (int k = 0; k < 64 * 16 / NTH; ++k) {
-                    const int r = (tid_h >> 4) + (NTH / 16) * k;
+                for (int k = 0; k < 64 * 16 / NT; ++k) {
+                    const int r = (tid >> 4) + (NT / 16) * k;
                     const float f = ex2_approx(R - cs_j[r] * LOG2E_F) * cs_j[64 + r];
-                    float4* pv = reinterpret_cast<float4*>(tb + r * CO_XSTRIDE + ((tid_h & 15) << 2));
+                    float4* pv = reinterpret_cast<float4*>(tb + r * CO_XSTRIDE + ((tid & 15) << 2));
                     const float4 v = *pv;
                     *pv = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
                 }
@@ -520,7 +506,8 @@ __device__ __forceinline__ void compute_out_cb_body(
             for (int k = 0; k < 8; ++k) {
                 const int r = rbase + 2 * k;
                 const int lim = lim0 + 2 * k;
-                const float4 sv = *reinterpret_cast<const float4*>(ta + r * CO2_A + col4);
+                float4* pv = reinterpret_cast<float4*>(ta + r * CO2_A + col4);
+                const float4 sv = *pv;
                 const float sc[4] = {sv.x, sv.y, sv.z, sv.w};
                 float v[4];
 #pragma unroll
@@ -529,12 +516,10 @@ __device__ __forceinline__ void compute_out_cb_body(
                     const float arg = keep ? csl_r[k] - cslj[u] : NEG_INF_F;
                     v[u] = sc[u] * ex2_approx(arg) * dtj[u];
                 }
-                *reinterpret_cast<float4*>(mt + r * CO2_A + col4) = make_float4(v[0], v[1], v[2], v[3]);
+                *pv = make_float4(v[0], v[1], v[2], v[3]);
             }
             }
             __syncthreads();
-            // left of the block (split): the raw scores; else this head's causal matrix
-            const unsigned a_s = (split && jt < t64) ? ta_s : mt_s;
             if (jt > rt_mma || !rows_mma) continue;  // this warp's rows lie above the tile or past the end
             const float* xb = tb + wn * 32 + g;
 #pragma unroll
@@ -542,7 +527,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                 unsigned a[2][4], bf[4][2];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi)
-                    ldmatrix_x4(a[mi], a_s + (unsigned)((wm * 32 + mi * 16) * CO2_A + kk + a_off) * 4u);
+                    ldmatrix_x4(a[mi], ta_s + (unsigned)((wm * 32 + mi * 16) * CO2_A + kk + a_off) * 4u);
 #pragma unroll
                 for (int nf = 0; nf < 4; ++nf) {
                     bf[nf][0] = __float_as_uint(xb[(kk + q) * CO_XSTRIDE + nf * 8]);
@@ -562,8 +547,7 @@ __device__ __forceinline__ void compute_out_cb_body(
         for (int hf = 0; hf < 2; ++hf) {
             const int r = wm * 32 + mi * 16 + g + 8 * hf;
             if (r >= rows_i) continue;
-            const float* x_own =
-                smem + ((nslab + t64 + (r >> 6)) & 1) * BUF + TM * CO2_A + hb * CO2_HEAD + (r & 63) * CO_XSTRIDE;
+            const float* x_own = smem + ((nslab + t64 + (r >> 6)) & 1) * BUF + TM * CO2_A + (r & 63) * CO_XSTRIDE;
             const i64 row_off = (i64)b * seqlen * tok_stride_x + (t0 + i0 + r) * tok_stride_x + (i64)h * headdim + p0;
 #pragma unroll
             for (int nf = 0; nf < 4; ++nf) {
@@ -628,9 +612,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) ssd_compute_out_cb(CO_CB_PA
 {
     extern __shared__ __align__(16) float smem[];
     if (vec)
-        compute_out_cb_body<true, 64, 1>(CO_CB_ARGS);
+        compute_out_cb_body<true, 64>(CO_CB_ARGS);
     else
-        compute_out_cb_body<false, 64, 1>(CO_CB_ARGS);
+        compute_out_cb_body<false, 64>(CO_CB_ARGS);
 }
 
 // 128 rows per block, 256 threads, two blocks per SM (chunks over 64 tokens).
@@ -638,18 +622,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_cb128(CO_CB
 {
     extern __shared__ __align__(16) float smem[];
     if (vec)
-        compute_out_cb_body<true, 128, 1>(CO_CB_ARGS);
+        compute_out_cb_body<true, 128>(CO_CB_ARGS);
     else
-        compute_out_cb_body<false, 128, 1>(CO_CB_ARGS);
-}
-
-// 128 rows and two heads of one group per block, 512 threads, one block per SM (212.5 KB of
-// shared memory); the host picks it where the heads of a group pair up.
-extern "C" __global__ void __launch_bounds__(512, 1) ssd_compute_out_cb128x2(CO_CB_PARAMS)
-{
-    extern __shared__ __align__(16) float smem[];
-    if (vec)
-        compute_out_cb_body<true, 128, 2>(CO_CB_ARGS);
-    else
-        compute_out_cb_body<false, 128, 2>(CO_CB_ARGS);
+        compute_out_cb_body<false, 128>(CO_CB_ARGS);
 }

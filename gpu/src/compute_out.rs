@@ -4,8 +4,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    chunk_cb_smem_bytes, compute_out_cb_heads, compute_out_cb_rows, compute_out_cb_smem_bytes,
-    compute_out_smem_bytes, score_tiles, TILE_M, TILE_P,
+    chunk_cb_smem_bytes, compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_smem_bytes,
+    score_tiles, TILE_M, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -24,8 +24,7 @@ impl Gpu {
     /// first `C B^T` once per (batch, chunk, group) and pair of 64-row tiles on or below the
     /// diagonal (`ssd_chunk_cb`), then the output kernel that reads those scores and streams
     /// its tiles through a cp.async double buffer (`ssd_compute_out_cb`, over 128 rows per
-    /// block when the chunk has more than 64 tokens, and then over two heads of a group per
-    /// block on devices with the shared memory for it: raw f32 operands, the
+    /// block when the chunk has more than 64 tokens: raw f32 operands, the
     /// tensor cores truncate them to TF32; left of the diagonal without `seq_idx` the decay
     /// splits into a row and a column factor, both at most 1). The single kernel
     /// (`ssd_compute_out`) serves every other chunk size.
@@ -99,24 +98,23 @@ impl Gpu {
         if let Some(scores) = outputs.scores.as_ref() {
             let t = score_tiles(&d, &o);
             let rows = compute_out_cb_rows(t);
-            let heads = compute_out_cb_heads(&d, rows, self.max_smem_optin);
             let cfg = LaunchConfig {
                 grid_dim: (
                     (nchunks * o.chunk_size.div_ceil(rows)) as u32,
-                    ((d.nheads / heads) * ptiles) as u32,
+                    cfg.grid_dim.1,
                     cfg.grid_dim.2,
                 ),
-                block_dim: ((2 * rows * heads) as u32, 1, 1),
-                shared_mem_bytes: compute_out_cb_smem_bytes(rows, heads) as u32,
+                block_dim: (2 * rows as u32, 1, 1),
+                shared_mem_bytes: compute_out_cb_smem_bytes(rows) as u32,
             };
             let tmax = int(t);
             // 16-byte copies of the x, C and state tiles: rows of 4-float multiples (every
             // CudaSlice allocation is 256-byte aligned).
             let vec = i32::from(d.headdim.is_multiple_of(4) && d.dstate.is_multiple_of(4));
-            let f = match (rows, heads) {
-                (128, 2) => &self.compute_out_cb128x2_fn,
-                (128, _) => &self.compute_out_cb128_fn,
-                _ => &self.compute_out_cb_fn,
+            let f = if rows == 128 {
+                &self.compute_out_cb128_fn
+            } else {
+                &self.compute_out_cb_fn
             };
             let mut launch = stream.launch_builder(f);
             launch
@@ -134,14 +132,12 @@ impl Gpu {
                 launch.arg(s);
             }
             launch.arg(&tmax).arg(&vec);
-            // SAFETY: the argument list matches `ssd_compute_out_cb`, `ssd_compute_out_cb128`
-            // and `ssd_compute_out_cb128x2` in kernels/compute_out.cu, whose block size
-            // (2 * rows * heads threads), rows and heads per block the grid above uses (two
-            // heads only where the heads of a group pair up); every buffer was checked against
-            // the sizes, the scores were written by `ssd_chunk_cb` just before on this stream,
-            // and the dynamic shared memory (73 KB or 109 KB, fitting every device of compute
-            // capability 8.0 or newer; 212.5 KB only where the opt-in limit allows it) is
-            // within the limit raised at load.
+            // SAFETY: the argument list matches `ssd_compute_out_cb` and `ssd_compute_out_cb128`
+            // in kernels/compute_out.cu, whose block size (2 * rows threads) and rows per block
+            // the grid above uses; every buffer was checked against the sizes, the scores were
+            // written by `ssd_chunk_cb` just before on this stream, and 73 KB or 109 KB of
+            // dynamic shared memory fit every device of compute capability 8.0 or newer (opt-in
+            // raised at load).
             unsafe { launch.launch(cfg) }?;
             return Ok(());
         }

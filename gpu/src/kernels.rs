@@ -32,7 +32,6 @@ pub(crate) const STATE_PASSING: &str = "ssd_state_passing";
 pub(crate) const CHUNK_CB: &str = "ssd_chunk_cb";
 pub(crate) const COMPUTE_OUT_CB: &str = "ssd_compute_out_cb";
 pub(crate) const COMPUTE_OUT_CB128: &str = "ssd_compute_out_cb128";
-pub(crate) const COMPUTE_OUT_CB128X2: &str = "ssd_compute_out_cb128x2";
 
 /// The NVRTC target for a device of compute capability `major.minor`.
 ///

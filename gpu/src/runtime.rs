@@ -28,7 +28,6 @@ pub struct Gpu {
     pub(crate) chunk_cb_fn: CudaFunction,
     pub(crate) compute_out_cb_fn: CudaFunction,
     pub(crate) compute_out_cb128_fn: CudaFunction,
-    pub(crate) compute_out_cb128x2_fn: CudaFunction,
     /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
     /// state pass and the output kernel that computes its own scores), kept selectable for
     /// comparison. Version 2, the default, was validated on the H200 like version 1.
@@ -40,7 +39,7 @@ pub struct Gpu {
     sm_count: usize,
     target: &'static str,
     name: String,
-    pub(crate) max_smem_optin: usize,
+    max_smem_optin: usize,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -97,7 +96,6 @@ impl Gpu {
         let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
         let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
-        let compute_out_cb128x2_fn = module.load_function(kernels::COMPUTE_OUT_CB128X2)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
@@ -106,7 +104,6 @@ impl Gpu {
             &chunk_cb_fn,
             &compute_out_cb_fn,
             &compute_out_cb128_fn,
-            &compute_out_cb128x2_fn,
             &chunk_state_local_fn,
             &chunk_state_local_wide_fn,
         ] {
@@ -137,7 +134,6 @@ impl Gpu {
             chunk_cb_fn,
             compute_out_cb_fn,
             compute_out_cb128_fn,
-            compute_out_cb128x2_fn,
             legacy,
             chain,
             sm_count,

@@ -205,25 +205,11 @@ pub(crate) fn chunk_cb_smem_bytes(dstate: usize) -> usize {
     2 * TILE_M * (dstate.div_ceil(64) * 64 + 4) * 4
 }
 
-/// Dynamic shared memory of `ssd_compute_out_cb` over `rows` (64 or 128) rows and `heads` (1 or
-/// 2) heads per block (layout in `kernels/compute_out.cu`), in bytes: two buffers of
-/// `rows * 68 + heads * (64 * 72 + 3 * 64)` floats, with two heads a `rows * 68` staging tile
-/// per head, then `(heads + 1) * rows`.
-pub(crate) const fn compute_out_cb_smem_bytes(rows: usize, heads: usize) -> usize {
-    let staging = if heads > 1 { heads * rows * 68 } else { 0 };
-    (2 * (rows * 68 + heads * (64 * 72 + 3 * 64)) + staging + (heads + 1) * rows) * 4
-}
-
-/// Heads per block of the 128-row output kernel: 2 (`ssd_compute_out_cb128x2`, sharing the
-/// `C` slabs and the scores) where the heads of a group pair up and the device lets a block
-/// take its 212.5 KB of shared memory (Hopper), else 1.
-pub(crate) fn compute_out_cb_heads(dims: &Dims, rows: usize, max_smem_optin: usize) -> usize {
-    let pairs = (dims.nheads / dims.ngroups).is_multiple_of(2);
-    if rows == 128 && pairs && compute_out_cb_smem_bytes(128, 2) <= max_smem_optin {
-        2
-    } else {
-        1
-    }
+/// Dynamic shared memory of `ssd_compute_out_cb` over `rows` (64 or 128) rows per block
+/// (layout in `kernels/compute_out.cu`), in bytes: two buffers of
+/// `rows * 68 + 64 * 72 + 3 * 64` floats, then `2 * rows`.
+pub(crate) const fn compute_out_cb_smem_bytes(rows: usize) -> usize {
+    (2 * (rows * 68 + 64 * 72 + 3 * 64) + 2 * rows) * 4
 }
 /// The output kernel's rows per block: 128 (`ssd_compute_out_cb128`, 256 threads) when a chunk
 /// holds two or more 64-row score tiles, else 64 (`ssd_compute_out_cb`, 128 threads).
@@ -306,25 +292,16 @@ mod tests {
         };
         // 132 SMs: 264 wide blocks resident. (8, 8192, 80): 640 blocks per chunk, 32 chunks.
         let big = shape(8, 8192, 80, 128);
-        assert_eq!(
-            state_chain_len(&big, &opts(256), 132, None),
-            Some(640 * 32 + 1)
-        );
+        assert_eq!(state_chain_len(&big, &opts(256), 132, None), Some(640 * 32 + 1));
         // (4, 65536, 8, dstate 256): 2 tiles x 8 heads x 4 = 64 blocks per chunk: 2b instead.
         let long = shape(4, 65536, 8, 256);
         assert_eq!(state_chain_len(&long, &opts(128), 132, None), None);
         // dstate 64: 4-warp blocks, 3 per SM (396 resident), 400 blocks per chunk.
         let narrow = shape(5, 1000, 80, 64);
-        assert_eq!(
-            state_chain_len(&narrow, &opts(256), 132, None),
-            Some(400 * 4 + 1)
-        );
+        assert_eq!(state_chain_len(&narrow, &opts(256), 132, None), Some(400 * 4 + 1));
         assert_eq!(state_chain_len(&narrow, &opts(256), 134, None), None);
         // forced either way
-        assert_eq!(
-            state_chain_len(&long, &opts(128), 132, Some(true)),
-            Some(64 * 512 + 1)
-        );
+        assert_eq!(state_chain_len(&long, &opts(128), 132, Some(true)), Some(64 * 512 + 1));
         assert_eq!(state_chain_len(&big, &opts(256), 132, Some(false)), None);
     }
 
@@ -376,10 +353,7 @@ mod tests {
     #[test]
     fn version_2_smem_fits_three_blocks_per_hopper_sm_and_an_a100() {
         // 228 KB per SM on Hopper, 1 KB of it reserved per block; 163 KB per block on an A100.
-        for bytes in [
-            compute_out_cb_smem_bytes(64, 1),
-            CHUNK_STATE_LOCAL_SMEM_BYTES,
-        ] {
+        for bytes in [compute_out_cb_smem_bytes(64), CHUNK_STATE_LOCAL_SMEM_BYTES] {
             assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
             assert!(bytes <= 163 * 1024, "{bytes}");
         }
@@ -387,32 +361,12 @@ mod tests {
         // Hopper SM
         for bytes in [
             CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
-            compute_out_cb_smem_bytes(128, 1),
+            compute_out_cb_smem_bytes(128),
         ] {
             assert!(2 * (bytes + 1024) <= 228 * 1024, "{bytes}");
             assert!(bytes <= 163 * 1024, "{bytes}");
         }
         assert!(chunk_cb_smem_bytes(MAX_DSTATE) <= compute_out_smem_bytes(MAX_DSTATE));
-    }
-
-    #[test]
-    fn two_heads_per_output_block_on_hopper_only() {
-        // 54,400 floats; one block per Hopper SM (227 KB per block), none on an A100 (163 KB).
-        assert_eq!(compute_out_cb_smem_bytes(128, 2), 217_600);
-        let d = |nheads, ngroups| Dims {
-            batch: 1,
-            seqlen: 512,
-            nheads,
-            headdim: 64,
-            ngroups,
-            dstate: 128,
-        };
-        assert_eq!(compute_out_cb_heads(&d(80, 1), 128, 227 * 1024), 2);
-        assert_eq!(compute_out_cb_heads(&d(80, 1), 128, 163 * 1024), 1);
-        assert_eq!(compute_out_cb_heads(&d(80, 1), 64, 227 * 1024), 1);
-        // 3 heads per group do not pair up; 2 groups of 4 do
-        assert_eq!(compute_out_cb_heads(&d(6, 2), 128, 227 * 1024), 1);
-        assert_eq!(compute_out_cb_heads(&d(8, 2), 128, 227 * 1024), 2);
     }
 
     #[test]
