@@ -168,8 +168,10 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // tile) has published S_c: flags[((b * nheads + h) * tiles + tile) * nchunks + c] = 1, set with
 // release semantics after S_c is written, read with acquire semantics. Blocks take their
 // (b, c, h, tile) from a ticket (an atomic counter, sync[0], zeroed with the flags before the
-// launch) in chunk-major order, so a block only ever waits on blocks that started before it:
-// no deadlock whatever order the hardware starts blocks in.
+// launch) in the order b, then c, then h and tile, so a block only ever waits on a block that
+// started before it (no deadlock whatever order the hardware starts blocks in), nheads * tiles
+// tickets earlier: recently enough that S_c is still in L2. (Chunk-major tickets put whole
+// waves between the two, and S_c came back from DRAM.)
 #define SL_BUF(TN) (ST_TK * ST_STRIDE + ST_TK * ((TN) + 8) + 3 * ST_TK)
 template <int TN>
 __device__ __forceinline__ void chunk_state_local_body(
@@ -191,7 +193,7 @@ __device__ __forceinline__ void chunk_state_local_body(
     int h = blockIdx.y;
     int b = blockIdx.z;
     if (chain) {
-        // This block's place in start order, chunk-major: (c, b, h, tile).
+        // This block's place in start order: (b, c, h, tile), the last fastest.
         int* ticket = reinterpret_cast<int*>(smem);
         if (tid == 0) *ticket = atomicAdd(sync, 1);
         __syncthreads();
@@ -201,8 +203,8 @@ __device__ __forceinline__ void chunk_state_local_body(
         id /= tiles;
         h = id % nheads;
         id /= nheads;
-        b = id % (int)gridDim.z;
-        c = id / (int)gridDim.z;
+        c = id % nchunks;
+        b = id / nchunks;
     }
     const int p0 = (tile / ntiles_n) * ST_TP;
     const int n0 = (tile % ntiles_n) * TN;
