@@ -2,11 +2,10 @@
 # Runs on the GPU machine, from the bundle that scripts/gpu-bundle.sh made (copied there as
 # run-all.sh):  bash gpu-bundle/run-all.sh [--quick]
 # 1. the GPU tests with SSD_REQUIRE_GPU=1 (no GPU = failure): fuzz against the float64
-#    reference, fixtures, reproducibility, refusals; fuzz and fixtures once more with
-#    SSD_GPU_CHAIN=1 (the chained state pass);
+#    reference, fixtures, reproducibility, refusals;
 # 2. compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the fixed sanitizer
 #    shapes (ragged seqlen, seq_idx, ngroups > 1, every option, dstate 256, chunk 256 and the
-#    largest chunk size), memcheck and synccheck once more with SSD_GPU_CHAIN=1;
+#    largest chunk size);
 # 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, when the CLI has it;
 # 4. the benchmark against mamba_ssm's Triton forward (skipped with --quick and --no-bench;
 #    --bench-only runs it alone);
@@ -50,23 +49,11 @@ for t in bin/tests/*; do
   n=$(basename "$t")
   step "test-$n" 'test result|panicked' "$t" --test-threads=1 --nocapture
 done
-# Again with the chained state pass forced on (the fuzz and fixture sizes are too small for
-# the default choice to take it).
-for n in gpu_fuzz gpu_fixtures; do
-  [ -x "bin/tests/$n" ] || continue
-  step "test-$n-chained" 'test result|panicked' env SSD_GPU_CHAIN=1 "bin/tests/$n" --test-threads=1 --nocapture
-done
 
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
       compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      bin/tests/gpu_fuzz --exact gpu_sanitizer_shapes --test-threads=1 --nocapture
-  done
-  # the chained state pass, which the sizes of these shapes would not pick
-  for tool in memcheck synccheck; do
-    step "sanitizer-$tool-chained" 'ERROR SUMMARY|test result' \
-      env SSD_GPU_CHAIN=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
       bin/tests/gpu_fuzz --exact gpu_sanitizer_shapes --test-threads=1 --nocapture
   done
 else
@@ -106,7 +93,6 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -o -E '(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null |
-  sed -E 's|^.*/test-([^/]*)\.log:|[\1] |'
+grep -h -o -E '(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 [ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings' "$logs/all/triton-table.log"

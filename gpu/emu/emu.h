@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <thread>
 #include <barrier>
-#include <atomic>
 #include <vector>
 #include <functional>
 #include <algorithm>
@@ -37,7 +36,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; };
 struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
-extern thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
+extern thread_local dim3e threadIdx, blockIdx, blockDim;
 extern thread_local BlockCtx* g_blk;
 inline void __syncthreads() { g_blk->bar->arrive_and_wait(); }
 inline void __syncwarp() { g_blk->wbar[threadIdx.x / 32]->arrive_and_wait(); }
@@ -89,11 +88,3 @@ inline void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     __syncwarp();
 }
 inline float ex2_approx(float v) { return exp2f(v); }
-// The chained state pass: the emulation runs blocks one after another in launch order, and a
-// block's ticket is its place in that order, so every flag a block waits on is already set.
-inline int ld_acquire_gpu(const int* p) { return std::atomic_ref<const int>(*p).load(std::memory_order_acquire); }
-inline void st_release_gpu(int* p, int v) { std::atomic_ref<int>(*p).store(v, std::memory_order_release); }
-inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
-inline float ld_cg(const float* p) { return *p; }
-inline void sleep_ns(unsigned) { std::this_thread::yield(); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

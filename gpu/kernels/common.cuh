@@ -254,23 +254,3 @@ __device__ __forceinline__ void round_block64_tf32(float* dst, int dst_stride, c
         }
     }
 }
-
-// The chained state pass (fwd_pass_state.cu): a flag published with release semantics at GPU
-// scope, read with acquire semantics, a load that bypasses L1 (data another block wrote), and
-// a short back-off while a flag is still 0.
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-// (volatile keeps it after the barrier that follows the acquire; no memory clobber, so that a
-// run of these loads is issued back to back rather than one round trip at a time)
-__device__ __forceinline__ float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ void sleep_ns(unsigned ns) { asm volatile("nanosleep.u32 %0;\n" ::"r"(ns)); }

@@ -157,28 +157,12 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // product, warp (wm, wn) computing rows 32 wm and columns 32 wn of the tile. Operands go to
 // the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
 // Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x (TN + 8), cs 64, dt' 64, seq 64].
-//
-// Chained (chain != 0; 2b is then not launched): the block also carries the state across
-// chunks, as 2b would, with the same fused multiply-add:
-//   chunk_states[b, 0, h] = S_0 = initial_states (0 when absent),
-//   S_{c+1} = fma(scale_c, S_c, L_c) into chunk_states[b, c + 1, h] (final_states for the last
-//   chunk), scale_c = exp(cs[last]) if seq(last) == seq(token before the chunk) (0 before chunk
-//   0), else 0.
-// The block of chunk c computes L_c, then waits until the block of chunk c - 1 (same b, h,
-// tile) has published S_c: flags[((b * nheads + h) * tiles + tile) * nchunks + c] = 1, set with
-// release semantics after S_c is written, read with acquire semantics. Blocks take their
-// (b, c, h, tile) from a ticket (an atomic counter, sync[0], zeroed with the flags before the
-// launch) in the order b, then c, then h and tile, so a block only ever waits on a block that
-// started before it (no deadlock whatever order the hardware starts blocks in), nheads * tiles
-// tickets earlier: recently enough that S_c is still in L2. (Chunk-major tickets put whole
-// waves between the two, and S_c came back from DRAM.)
 #define SL_BUF(TN) (ST_TK * ST_STRIDE + ST_TK * ((TN) + 8) + 3 * ST_TK)
 template <int TN>
 __device__ __forceinline__ void chunk_state_local_body(
     float* smem, const float* __restrict__ x, const float* __restrict__ Bm, const float* __restrict__ dt_out,
     const float* __restrict__ dA_cumsum, const int* __restrict__ seq_idx, float* __restrict__ chunk_states,
-    const float* __restrict__ initial_states, float* __restrict__ final_states, int* __restrict__ sync,
-    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks, int chain)
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
 {
     constexpr int NT = 2 * TN;           // threads: 2 x (TN / 32) warps
     constexpr int BS = TN + 8;           // B's row stride: 8 mod 32, conflict-free fragments
@@ -188,26 +172,12 @@ __device__ __forceinline__ void chunk_state_local_body(
     const int wm = warp & 1, wn = warp >> 1;  // this warp's 32 x 32 part: rows p, columns n
     const int ntiles_n = (dstate + TN - 1) / TN;
     const int tiles = ((headdim + ST_TP - 1) / ST_TP) * ntiles_n;
-    int c = blockIdx.x / tiles;
-    int tile = blockIdx.x % tiles;
-    int h = blockIdx.y;
-    int b = blockIdx.z;
-    if (chain) {
-        // This block's place in start order: (b, c, h, tile), the last fastest.
-        int* ticket = reinterpret_cast<int*>(smem);
-        if (tid == 0) *ticket = atomicAdd(sync, 1);
-        __syncthreads();
-        int id = *ticket;
-        __syncthreads();  // read before the buffers below overwrite it
-        tile = id % tiles;
-        id /= tiles;
-        h = id % nheads;
-        id /= nheads;
-        c = id % nchunks;
-        b = id / nchunks;
-    }
+    const int c = blockIdx.x / tiles;
+    const int tile = blockIdx.x % tiles;
     const int p0 = (tile / ntiles_n) * ST_TP;
     const int n0 = (tile % ntiles_n) * TN;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
     const int grp = h / (nheads / ngroups);
     const int rows_p = min(ST_TP, headdim - p0);
     const int cols_n = min(TN, dstate - n0);
@@ -291,55 +261,7 @@ __device__ __forceinline__ void chunk_state_local_body(
         }
     }
 
-    const i64 n_state = (i64)headdim * dstate;
-    float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * n_state;
-    if (!chain) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int pr = wm * 32 + mi * 16 + g + 8 * hf;
-                if (pr >= rows_p) continue;
-#pragma unroll
-                for (int nf = 0; nf < 4; ++nf) {
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int nc = wn * 32 + nf * 8 + 2 * q + u;
-                        if (nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[mi][nf][2 * hf + u];
-                    }
-                }
-            }
-        return;
-    }
-
-    // Chained: S_c in, S_{c+1} = fma(scale_c, S_c, L_c) out.
-    int* flags = sync + 1 + (((i64)b * nheads + h) * tiles + tile) * nchunks;
-    const float* s_in = c == 0 ? (initial_states != nullptr ? initial_states + ((i64)b * nheads + h) * n_state : nullptr)
-                               : cst;
-    if (c > 0) {
-        if (tid == 0)
-            while (ld_acquire_gpu(flags + c) == 0) sleep_ns(64);
-        __syncthreads();  // S_c is visible to every thread of the block from here on
-    }
-    const int seq_before = (seq_idx == nullptr || c == 0) ? 0 : seq_idx[(i64)b * seqlen + t0 - 1];
-    const float scale = seq_last == seq_before ? expf(dA_cumsum[cb + last]) : 0.0f;
-    float* s_out = c + 1 < nchunks ? cst + (i64)nheads * n_state : final_states + ((i64)b * nheads + h) * n_state;
-    // All of this thread's S_c loads first (in flight together), then the updates.
-    float s_c[2][2][4][2];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + mi * 16 + g + 8 * hf;
-#pragma unroll
-            for (int nf = 0; nf < 4; ++nf)
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int nc = wn * 32 + nf * 8 + 2 * q + u;
-                    const bool in = s_in != nullptr && pr < rows_p && nc < cols_n;
-                    s_c[mi][hf][nf][u] = in ? ld_cg(s_in + (i64)(p0 + pr) * dstate + n0 + nc) : 0.0f;
-                }
-        }
+    float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -351,21 +273,10 @@ __device__ __forceinline__ void chunk_state_local_body(
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
                     const int nc = wn * 32 + nf * 8 + 2 * q + u;
-                    if (nc >= cols_n) continue;
-                    const i64 e = (i64)(p0 + pr) * dstate + n0 + nc;
-                    const float sc = s_c[mi][hf][nf][u];
-                    if (c == 0) cst[e] = sc;  // S_0
-                    s_out[e] = fmaf(scale, sc, acc[mi][nf][2 * hf + u]);
+                    if (nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[mi][nf][2 * hf + u];
                 }
             }
         }
-    if (c + 1 < nchunks) {
-        __syncthreads();  // every thread's part of S_{c+1} is written
-        if (tid == 0) {
-            __threadfence();
-            st_release_gpu(flags + c + 1, 1);
-        }
-    }
 }
 
 #define CHUNK_STATE_LOCAL_ARGS                                                                              \
@@ -374,21 +285,17 @@ __device__ __forceinline__ void chunk_state_local_body(
         const float *__restrict__ dt_out, /* [batch, nheads, nchunks, chunk_size] */                       \
         const float *__restrict__ dA_cumsum, /* [batch, nheads, nchunks, chunk_size] */                    \
         const int *__restrict__ seq_idx,     /* [batch, seqlen] or null */                                 \
-        float *__restrict__ chunk_states,    /* [batch, nchunks, nheads, headdim, dstate] (L_c or S_c) */  \
-        const float *__restrict__ initial_states, /* [batch, nheads, headdim, dstate] or null (chained) */ \
-        float *__restrict__ final_states,    /* [batch, nheads, headdim, dstate] (chained) */              \
-        int *__restrict__ sync,              /* ticket + flags, zeroed (chained), or null */               \
-        int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks, int chain
-#define CHUNK_STATE_LOCAL_CALL                                                                              \
-    smem, x, Bm, dt_out, dA_cumsum, seq_idx, chunk_states, initial_states, final_states, sync, seqlen, nheads, \
-        headdim, ngroups, dstate, chunk_size, nchunks, chain
+        float *__restrict__ chunk_states,    /* [batch, nchunks, nheads, headdim, dstate] (L_c here) */    \
+        int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks
 extern "C" __global__ void __launch_bounds__(128, 3) ssd_chunk_state_local(CHUNK_STATE_LOCAL_ARGS) {
     extern __shared__ __align__(16) float smem[];
-    chunk_state_local_body<64>(CHUNK_STATE_LOCAL_CALL);
+    chunk_state_local_body<64>(smem, x, Bm, dt_out, dA_cumsum, seq_idx, chunk_states, seqlen, nheads, headdim,
+                               ngroups, dstate, chunk_size, nchunks);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_wide(CHUNK_STATE_LOCAL_ARGS) {
     extern __shared__ __align__(16) float smem[];
-    chunk_state_local_body<128>(CHUNK_STATE_LOCAL_CALL);
+    chunk_state_local_body<128>(smem, x, Bm, dt_out, dA_cumsum, seq_idx, chunk_states, seqlen, nheads, headdim,
+                                ngroups, dstate, chunk_size, nchunks);
 }
 
 // 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, V

@@ -4,8 +4,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    state_local_launch, CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N,
-    TILE_P,
+    CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -22,13 +21,10 @@ impl Gpu {
     /// (0 before chunk 0), else 0. `final_states = S_nchunks`. One block per
     /// `(b, h, 64 x 64 tile of [headdim, dstate])`, walking the chunks in order.
     ///
-    /// By default every chunk's own product runs in parallel (`ssd_chunk_state_local`); when
-    /// one chunk's blocks fill the device (`shape::state_chain_len`), the same
-    /// blocks also carry the states, each waiting for its predecessor chunk's state (a chained
-    /// scan); otherwise a second launch walks the chunks with one thread per state element
-    /// (`ssd_state_passing`). Both compute `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU
-    /// reference, so both give the same bits. The fused sequential kernel
-    /// (`ssd_fwd_pass_state`) runs with `SSD_GPU_V1=1`.
+    /// By default in two launches for parallelism: every chunk's own product in parallel
+    /// (`ssd_chunk_state_local`), then one thread per state element walking the chunks
+    /// (`ssd_state_passing`, `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU reference); the
+    /// fused sequential kernel (`ssd_fwd_pass_state`) with `SSD_GPU_V1=1`.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
@@ -55,30 +51,29 @@ impl Gpu {
             int(nchunks),
         ];
         // 2a's tiles: 128 dstate columns per block (8 warps) above dstate 64, else 64 (4 warps).
-        let (split_tiles, threads, _) = state_local_launch(&d);
-        let (smem, state_local_fn) = if threads == 256 {
-            (
-                CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
-                &self.chunk_state_local_wide_fn,
-            )
+        let wide = d.dstate > TILE_N;
+        let (split_tiles, threads, smem, state_local_fn) = if wide {
+            let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
+            let f = &self.chunk_state_local_wide_fn;
+            (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
         } else {
-            (CHUNK_STATE_LOCAL_SMEM_BYTES, &self.chunk_state_local_fn)
+            (
+                tiles,
+                128,
+                CHUNK_STATE_LOCAL_SMEM_BYTES,
+                &self.chunk_state_local_fn,
+            )
         };
         let split_grid = nchunks
             .checked_mul(split_tiles)
             .filter(|&g| g <= i32::MAX as usize);
         if let (false, Some(gx)) = (self.legacy, split_grid) {
-            // 2a: every chunk's own state, in parallel; chained, it also carries the states.
+            // 2a: every chunk's own state, in parallel.
             let cfg = LaunchConfig {
                 grid_dim: (gx as u32, d.nheads as u32, d.batch as u32),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            let chain = i32::from(outputs.state_sync.is_some());
-            if let Some(sync) = outputs.state_sync.as_mut() {
-                stream.memset_zeros(sync)?;
-            }
-            let (sync, _g3) = opt_ptr(outputs.state_sync.as_ref(), stream);
             let mut launch = stream.launch_builder(state_local_fn);
             launch
                 .arg(&inputs.x)
@@ -86,24 +81,15 @@ impl Gpu {
                 .arg(&outputs.dt)
                 .arg(&outputs.dA_cumsum)
                 .arg(&seq)
-                .arg(&mut outputs.chunk_states)
-                .arg(&init)
-                .arg(&mut outputs.final_states)
-                .arg(&sync);
+                .arg(&mut outputs.chunk_states);
             for s in &sizes {
                 launch.arg(s);
             }
-            launch.arg(&chain);
             // SAFETY: the argument list matches `ssd_chunk_state_local` and
             // `ssd_chunk_state_local_wide` in kernels/fwd_pass_state.cu; buffers checked against
             // the sizes, grid checked above; 74 KB or 106 KB of dynamic shared memory fit every
-            // device of compute capability 8.0 or newer (opt-in raised at load). Chained, the
-            // scratch holds the ticket and one flag per block (`shape::state_chain_len`, which
-            // also bounds the block count by i32), zeroed just before on this stream.
+            // device of compute capability 8.0 or newer (opt-in raised at load).
             unsafe { launch.launch(cfg) }?;
-            if chain == 1 {
-                return Ok(());
-            }
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;
             // 4 elements per thread (16-byte loads) where the rows allow it.

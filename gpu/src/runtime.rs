@@ -32,11 +32,6 @@ pub struct Gpu {
     /// state pass and the output kernel that computes its own scores), kept selectable for
     /// comparison. Version 2, the default, was validated on the H200 like version 1.
     pub(crate) legacy: bool,
-    /// `SSD_GPU_CHAIN` at [`Gpu::new`]: `1` makes the per-chunk state kernel carry the states
-    /// across chunks wherever it can, `0` never (a separate pass does), unset lets the sizes
-    /// decide ([`shape::state_chain_len`]).
-    chain: Option<bool>,
-    sm_count: usize,
     target: &'static str,
     name: String,
     max_smem_optin: usize,
@@ -113,13 +108,6 @@ impl Gpu {
             )?;
         }
         let legacy = std::env::var("SSD_GPU_V1").is_ok_and(|v| v == "1");
-        let chain = match std::env::var("SSD_GPU_CHAIN").as_deref() {
-            Ok("1") => Some(true),
-            Ok("0") => Some(false),
-            _ => None,
-        };
-        let sm_count =
-            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
         let stream = ctx.default_stream();
@@ -135,8 +123,6 @@ impl Gpu {
             compute_out_cb_fn,
             compute_out_cb128_fn,
             legacy,
-            chain,
-            sm_count,
             target,
             name,
             max_smem_optin,
@@ -198,11 +184,6 @@ impl Gpu {
             chunk_states: alloc(l.chunk_states)?,
             scores: match shape::scores_len(dims, options) {
                 Some(n) if !self.legacy => Some(alloc(n)?),
-                _ => None,
-            },
-            state_sync: match shape::state_chain_len(dims, options, self.sm_count, self.chain) {
-                // SAFETY: i32 has no invalid bit patterns; zeroed before every use.
-                Some(n) if !self.legacy => Some(unsafe { self.stream.alloc::<i32>(n) }?),
                 _ => None,
             },
         })
@@ -345,10 +326,6 @@ pub struct DeviceOutputs {
     /// 64-row tiles on or below the diagonal), `[batch, nchunks, ngroups, npairs, 64, 64]`;
     /// `None` where that path does not apply ([`shape::scores_len`]).
     pub(crate) scores: Option<CudaSlice<f32>>,
-    /// Scratch of the chained state pass (a ticket counter and one flag per (batch, head,
-    /// tile, chunk), zeroed before each launch); `None` where the states are carried by the
-    /// separate pass ([`shape::state_chain_len`]).
-    pub(crate) state_sync: Option<CudaSlice<i32>>,
 }
 
 impl DeviceOutputs {

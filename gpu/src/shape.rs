@@ -125,50 +125,6 @@ pub fn check(dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
     })
 }
 
-/// The per-chunk state kernel's launch (2a): `(tiles per (chunk, head), threads per block,
-/// blocks resident per SM)`. 128 dstate columns per block (8 warps) above dstate 64, else 64
-/// (4 warps).
-pub(crate) fn state_local_launch(dims: &Dims) -> (usize, u32, usize) {
-    if dims.dstate > TILE_N {
-        (
-            dims.headdim.div_ceil(TILE_P) * dims.dstate.div_ceil(2 * TILE_N),
-            256,
-            2,
-        )
-    } else {
-        (
-            dims.headdim.div_ceil(TILE_P) * dims.dstate.div_ceil(TILE_N),
-            128,
-            3,
-        )
-    }
-}
-
-/// Length in `i32` of the chained state pass's scratch (a ticket counter, then one flag per
-/// (batch, head, tile, chunk)), or `None` when 2a should not carry the states itself (2b does).
-///
-/// `force`: `Some(true)` chains wherever the launch fits, `Some(false)` never chains, `None`
-/// decides: chain when one chunk's blocks fill the device at least once (`resident_blocks`,
-/// the SM count times the blocks resident per SM), so the block a block waits on started a
-/// wave or more earlier. With fewer blocks per chunk the chain of `nchunks` hand-offs, each a
-/// round trip through L2, would be the critical path.
-pub(crate) fn state_chain_len(
-    dims: &Dims,
-    options: &Options,
-    sm_count: usize,
-    force: Option<bool>,
-) -> Option<usize> {
-    let (tiles, _, per_sm) = state_local_launch(dims);
-    let nchunks = dims.seqlen.div_ceil(options.chunk_size);
-    let per_chunk = tiles.checked_mul(dims.nheads)?.checked_mul(dims.batch)?;
-    let blocks = per_chunk.checked_mul(nchunks)?;
-    if blocks > i32::MAX as usize {
-        return None;
-    }
-    let chain = force.unwrap_or(per_chunk >= sm_count * per_sm);
-    chain.then_some(blocks + 1)
-}
-
 /// Largest scratch of the shared scores (`scores_len`), in floats: 256 Mi (1 GiB).
 const MAX_SCORES: usize = 1 << 28;
 
@@ -278,31 +234,6 @@ mod tests {
             chunk_size,
             ..Options::default()
         }
-    }
-
-    #[test]
-    fn the_state_pass_chains_when_a_chunk_fills_the_device() {
-        let shape = |batch, seqlen, nheads, dstate| Dims {
-            batch,
-            seqlen,
-            nheads,
-            headdim: 64,
-            ngroups: 1,
-            dstate,
-        };
-        // 132 SMs: 264 wide blocks resident. (8, 8192, 80): 640 blocks per chunk, 32 chunks.
-        let big = shape(8, 8192, 80, 128);
-        assert_eq!(state_chain_len(&big, &opts(256), 132, None), Some(640 * 32 + 1));
-        // (4, 65536, 8, dstate 256): 2 tiles x 8 heads x 4 = 64 blocks per chunk: 2b instead.
-        let long = shape(4, 65536, 8, 256);
-        assert_eq!(state_chain_len(&long, &opts(128), 132, None), None);
-        // dstate 64: 4-warp blocks, 3 per SM (396 resident), 400 blocks per chunk.
-        let narrow = shape(5, 1000, 80, 64);
-        assert_eq!(state_chain_len(&narrow, &opts(256), 132, None), Some(400 * 4 + 1));
-        assert_eq!(state_chain_len(&narrow, &opts(256), 134, None), None);
-        // forced either way
-        assert_eq!(state_chain_len(&long, &opts(128), 132, Some(true)), Some(64 * 512 + 1));
-        assert_eq!(state_chain_len(&big, &opts(256), 132, Some(false)), None);
     }
 
     #[test]
