@@ -4,7 +4,8 @@
 # NaN) and compares version 2 (the default) with version 1 (SSD_GPU_V1=1) on small
 # problems over every option: dA_cumsum/dt' the same bits; chunk/final states and `out` within
 # 5e-3 of their largest magnitude (version 2 feeds the tensor cores raw f32 operands and uses
-# 2^x); the output kernel's 16-byte and 4-byte copy paths the same bits; no NaN anywhere.
+# 2^x); the 16-byte and 4-byte copy paths of the output and scores kernels the same bits; no
+# NaN anywhere.
 # Needs g++ with C++20 and python3. Slow (threads): keep the problems small.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,7 +22,7 @@ while read -r args; do
   [ -z "$args" ] && continue
   out=$("$work/emu" $args)
   verdict=$(grep -E '^RESULT' <<<"$out")
-  bad=$(grep -E 'cumsum mismatches vs old loop: [1-9]|out 16-byte vs 4-byte.*differing=[1-9]' <<<"$out" || true)
+  bad=$(grep -E 'cumsum mismatches vs old loop: [1-9]|out 16-byte vs 4-byte.*differing=[1-9]|scores 16-byte vs 4-byte.*differing=[1-9]' <<<"$out" || true)
   echo "$args: $verdict ${bad:+BITWISE MISMATCH}"
   [ "$verdict" = "RESULT ok" ] && [ -z "$bad" ] || { fail=1; echo "$out"; }
 done <<'CASES'

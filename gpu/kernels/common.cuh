@@ -254,3 +254,30 @@ __device__ __forceinline__ void round_block64_tf32(float* dst, int dst_stride, c
         }
     }
 }
+
+// acc += A B^T for one warp's 32 x 32 part (rows 32 wm, columns 32 wn) over k in [0, kend)
+// (kend a multiple of 8) of two shared tiles at `stride` floats (a multiple of 4, rows 16-byte
+// aligned): A stored row-major ([row][k], shared address a_s in bytes), B stored n-major
+// ([n][k], b_s). Fragments through ldmatrix; raw f32 operands (the tensor cores truncate them
+// to TF32).
+__device__ __forceinline__ void mma_slab_2x4(float (&acc)[2][4][4], unsigned a_s, unsigned b_s, int stride,
+                                             int wm, int wn, int kend, int lane) {
+    const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 4;
+    const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 4;
+    for (int kk = 0; kk < kend; kk += 8) {
+        unsigned a[2][4], bf[4][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+            ldmatrix_x4(a[mi], a_s + (unsigned)((wm * 32 + mi * 16) * stride + kk + a_off) * 4u);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            unsigned r4[4];
+            ldmatrix_x4(r4, b_s + (unsigned)((wn * 32 + np * 16) * stride + kk + b_off) * 4u);
+            bf[2 * np][0] = r4[0];
+            bf[2 * np][1] = r4[1];
+            bf[2 * np + 1][0] = r4[2];
+            bf[2 * np + 1][1] = r4[3];
+        }
+        mma_2x4(acc, a, bf);
+    }
+}

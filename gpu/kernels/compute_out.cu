@@ -197,23 +197,21 @@ extern "C" __global__ void __launch_bounds__(CO_THREADS) ssd_compute_out(
 // the chunk), grid x = c * npairs + pair, pair = it (it + 1) / 2 + jt, npairs = T (T + 1) / 2
 // with T = ceil(min(chunk_size, seqlen) / 64):
 //   cb[b, c, g, pair][r][s] = C[it * 64 + r, :] . B[jt * 64 + s, :]
-// (rows past the chunk's real tokens 0), the same TF32 product, with the same fragments in
-// the same order, as ssd_compute_out's scores, so the output is the same to the bit.
-// Dynamic shared memory: 2 * 64 * NS floats, NS = round_up(dstate, 64) + 4.
-extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
-    const float* __restrict__ Bm,  // [batch, seqlen, ngroups, dstate]
-    const float* __restrict__ Cm,  // [batch, seqlen, ngroups, dstate]
-    float* __restrict__ cbuf,      // [batch, nchunks, ngroups, npairs, 64, 64]
-    int seqlen, int ngroups, int dstate, int chunk_size, int nchunks, int tmax)
+// (rows and columns past the chunk's real tokens 0): TF32 products of the raw f32 operands
+// (truncated by the tensor cores, as in 3b), f32 accumulation. The 64-wide dstate slabs of the
+// two tiles stream through a cp.async double buffer; the four warps split the 64 x 64 tile
+// 2 x 2. vec: 16-byte copies (dstate a multiple of 4), decided by the host.
+// Dynamic shared memory (floats): 2 buffers of [C slab 64 x 68, B slab 64 x 68].
+#define CB_A 68
+#define CB_BUF (2 * 64 * CB_A)
+template <bool VEC>
+__device__ __forceinline__ void chunk_cb_body(float* smem, const float* __restrict__ Bm, const float* __restrict__ Cm,
+                                              float* __restrict__ cbuf, int seqlen, int ngroups, int dstate,
+                                              int chunk_size, int nchunks, int tmax)
 {
-    extern __shared__ __align__(16) float smem[];
-    const int NC64 = ((dstate + 63) / 64) * 64;
-    const int NS = NC64 + 4;
-    const int NK = ((dstate + 7) / 8) * 8;
-    float* c_tile = smem;
-    float* b_tile = c_tile + 64 * NS;
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;
     const int npairs = tmax * (tmax + 1) / 2;
     const int c = blockIdx.x / npairs;
     const int pair = blockIdx.x % npairs;
@@ -229,26 +227,56 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cb(
     const int rows_i = min(64, valid_c - i0);
     const int rows_j = min(64, valid_c - j0);
     const i64 tok_stride_b = (i64)ngroups * dstate;
-    const float* bg = Bm + (i64)b * seqlen * tok_stride_b + (i64)grp * dstate;
-    const float* cg = Cm + (i64)b * seqlen * tok_stride_b + (i64)grp * dstate;
-    load_tile_tf32<64, 128>(c_tile, NS, cg + (t0 + i0) * tok_stride_b, tok_stride_b, rows_i, dstate, NC64, tid);
-    load_tile_tf32<64, 128>(b_tile, NS, bg + (t0 + j0) * tok_stride_b, tok_stride_b, rows_j, dstate, NC64, tid);
-    __syncthreads();
-    float sc[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
+    const float* cg = Cm + ((i64)b * seqlen + t0 + i0) * tok_stride_b + (i64)grp * dstate;
+    const float* bg = Bm + ((i64)b * seqlen + t0 + j0) * tok_stride_b + (i64)grp * dstate;
+    const int nslab = (dstate + 63) / 64;
+    const int NK = ((dstate + 7) / 8) * 8;
+
+    auto issue = [&](int s) {
+        float* ta = smem + (s & 1) * CB_BUF;
+        const int n0 = s * 64;
+        async_block64_v<VEC>(ta, CB_A, cg + n0, tok_stride_b, rows_i, dstate - n0, tid);
+        async_block64_v<VEC>(ta + 64 * CB_A, CB_A, bg + n0, tok_stride_b, rows_j, dstate - n0, tid);
+    };
+    float acc[2][4][4];
+    zero_2x4(acc);
+    const unsigned smem_base = smem_addr(smem);
+    issue(0);
+    cp_async_commit();
+    for (int s = 0; s < nslab; ++s) {
+        cp_async_wait<0>();  // this thread's copies of slab s have landed
+        __syncthreads();     // everyone's have, and everyone is done with slab s - 1's buffer
+        if (s + 1 < nslab) issue(s + 1);
+        cp_async_commit();
+        const unsigned ta_s = smem_base + (unsigned)((s & 1) * CB_BUF) * 4u;
+        mma_slab_2x4(acc, ta_s, ta_s + 64u * CB_A * 4u, CB_A, wm, wn, min(64, NK - s * 64), lane);
     }
-    mma_16x64_nmajor(sc, c_tile + warp * 16 * NS, b_tile, NS, NK, g, q);
     float* dst = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + pair) * 4096;
-    const int r0 = warp * 16 + g;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int col = j * 8 + 2 * q;
-        *reinterpret_cast<float2*>(dst + r0 * 64 + col) = make_float2(sc[j][0], sc[j][1]);
-        *reinterpret_cast<float2*>(dst + (r0 + 8) * 64 + col) = make_float2(sc[j][2], sc[j][3]);
-    }
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = wm * 32 + mi * 16 + g + 8 * hf;
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf) {
+                const int col = wn * 32 + nf * 8 + 2 * q;
+                *reinterpret_cast<float2*>(dst + r * 64 + col) =
+                    make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) ssd_chunk_cb(
+    const float* __restrict__ Bm,  // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ Cm,  // [batch, seqlen, ngroups, dstate]
+    float* __restrict__ cbuf,      // [batch, nchunks, ngroups, npairs, 64, 64]
+    int seqlen, int ngroups, int dstate, int chunk_size, int nchunks, int tmax, int vec)
+{
+    extern __shared__ __align__(16) float smem[];
+    if (vec)
+        chunk_cb_body<true>(smem, Bm, Cm, cbuf, seqlen, ngroups, dstate, chunk_size, nchunks, tmax);
+    else
+        chunk_cb_body<false>(smem, Bm, Cm, cbuf, seqlen, ngroups, dstate, chunk_size, nchunks, tmax);
 }
 
 // 3b. One block of 2 TM threads (TM / 16 warps) per (batch b, chunk c, TM rows i of the chunk,
@@ -378,10 +406,9 @@ __device__ __forceinline__ void compute_out_cb_body(
     float acc[2][4][4];
     zero_2x4(acc);
 
-    // ldmatrix lane offsets (floats): an A fragment (16 rows x 8 k) of a row-major tile, and two
-    // B fragments (16 n x 8 k) of a tile stored n-major, both at stride CO2_A.
+    // ldmatrix lane offset (floats) of an A fragment (16 rows x 8 k) of a row-major tile at
+    // stride CO2_A (the scores; mma_slab_2x4 computes its own).
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * CO2_A + (lane >> 4) * 4;
-    const int b_off = ((lane & 7) + (lane >> 4) * 8) * CO2_A + ((lane >> 3) & 1) * 4;
     const unsigned smem_base = smem_addr(smem);
     // The decay pass: this thread's 4 columns and 8 rows of the TM x 64 scores tile.
     const int col4 = (lane & 15) << 2;
@@ -410,23 +437,7 @@ __device__ __forceinline__ void compute_out_cb_body(
         if (s < nslab) {
             if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
             const unsigned tb_s = ta_s + (unsigned)(TM * CO2_A) * 4u;
-            const int kend = min(64, NK - s * 64);
-            for (int kk = 0; kk < kend; kk += 8) {
-                unsigned a[2][4], bf[4][2];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-                    ldmatrix_x4(a[mi], ta_s + (unsigned)((wm * 32 + mi * 16) * CO2_A + kk + a_off) * 4u);
-#pragma unroll
-                for (int np = 0; np < 2; ++np) {
-                    unsigned r4[4];
-                    ldmatrix_x4(r4, tb_s + (unsigned)((wn * 32 + np * 16) * CO2_A + kk + b_off) * 4u);
-                    bf[2 * np][0] = r4[0];
-                    bf[2 * np][1] = r4[1];
-                    bf[2 * np + 1][0] = r4[2];
-                    bf[2 * np + 1][1] = r4[3];
-                }
-                mma_2x4(acc, a, bf);
-            }
+            mma_slab_2x4(acc, ta_s, tb_s, CO2_A, wm, wn, min(64, NK - s * 64), lane);
         } else {
             const int jt = s - nslab;
             if (s == nslab && nslab > 0 && split) {

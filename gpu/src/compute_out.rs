@@ -4,8 +4,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    chunk_cb_smem_bytes, compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_smem_bytes,
-    score_tiles, TILE_M, TILE_P,
+    compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_smem_bytes, score_tiles,
+    CHUNK_CB_SMEM_BYTES, TILE_M, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -58,8 +58,11 @@ impl Gpu {
             let cfg = LaunchConfig {
                 grid_dim: ((nchunks * npairs) as u32, d.ngroups as u32, d.batch as u32),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: chunk_cb_smem_bytes(d.dstate) as u32,
+                shared_mem_bytes: CHUNK_CB_SMEM_BYTES as u32,
             };
+            // 16-byte copies of the B and C slabs where the rows allow them (every CudaSlice
+            // allocation is 256-byte aligned).
+            let cb_vec = i32::from(d.dstate.is_multiple_of(4));
             let cb_sizes = [
                 int(d.seqlen),
                 int(d.ngroups),
@@ -73,10 +76,11 @@ impl Gpu {
             for s in &cb_sizes {
                 launch.arg(s);
             }
+            launch.arg(&cb_vec);
             // SAFETY: the argument list matches `ssd_chunk_cb` in kernels/compute_out.cu; the
             // scratch was sized by `shape::scores_len` for these sizes (which also bounds the
-            // grid), B and C were checked against the sizes, and the shared memory is below
-            // that of `ssd_compute_out`, checked against the device's opt-in limit.
+            // grid), B and C were checked against the sizes, and 68 KB of dynamic shared memory
+            // fit every device of compute capability 8.0 or newer (opt-in raised at load).
             unsafe { launch.launch(cfg) }?;
         }
         let (dskip, _g1) = opt_ptr(inputs.D.as_ref(), stream);
