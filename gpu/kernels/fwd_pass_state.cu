@@ -340,18 +340,28 @@ __device__ __forceinline__ void state_passing_body(
     for (int c0 = 0; c0 < nchunks; c0 += SP_UNROLL) {
         T own[SP_UNROLL];
         float sc[SP_UNROLL];
+        int seq_last[SP_UNROLL];
+        // Every load of the SP_UNROLL chunks first, so that they are in flight together (the
+        // exponent of a chunk used to wait for its cumsum load before the next chunk's loads).
 #pragma unroll
         for (int k = 0; k < SP_UNROLL; ++k) {
             const int c = c0 + k;
             own[k] = T{};
             sc[k] = 0.0f;
+            seq_last[k] = 0;
             if (c < nchunks) {
                 own[k] = *reinterpret_cast<const T*>(p + (i64)c * cstride);
                 const i64 t0 = (i64)c * chunk_size;
                 const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
-                const int seq_new = seq_idx != nullptr ? seq_idx[(i64)b * seqlen + t0 + last] : 0;
-                sc[k] = seq_new == seq_prev ? expf(cs_row[t0 + last]) : 0.0f;
-                seq_prev = seq_new;
+                if (seq_idx != nullptr) seq_last[k] = seq_idx[(i64)b * seqlen + t0 + last];
+                sc[k] = cs_row[t0 + last];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < SP_UNROLL; ++k) {
+            if (c0 + k < nchunks) {
+                sc[k] = seq_last[k] == seq_prev ? expf(sc[k]) : 0.0f;
+                seq_prev = seq_last[k];
             }
         }
 #pragma unroll
