@@ -88,14 +88,7 @@ fn bench(
     reps: usize,
 ) -> Result<String, GpuError> {
     let (batch, seqlen, nheads, headdim, dstate, ngroups, chunk) = shape;
-    let dims = Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    };
+    let dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
     let options = Options {
         chunk_size: chunk,
         dt_softplus: false,

@@ -65,22 +65,26 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
         }
     }
 
-    const i64 tok_stride_x = (i64)nheads * headdim;
-    const i64 tok_stride_b = (i64)ngroups * dstate;
-    for (int c = 0; c < nchunks; ++c) {
-        const i64 t0 = (i64)c * chunk_size;
-        const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
-        // The state entering chunk c.
-        float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
+    // Writes this thread's accumulator elements into a [headdim, dstate] state.
+    auto store_state = [&](float* dst) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int pr = pr0 + ((e & 2) ? 8 : 0);
                 int nc = j * 8 + 2 * q + (e & 1);
-                if (pr < rows_p && nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
+                if (pr < rows_p && nc < cols_n) dst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
             }
         }
+    };
+
+    const i64 tok_stride_x = (i64)nheads * headdim;
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    for (int c = 0; c < nchunks; ++c) {
+        const i64 t0 = (i64)c * chunk_size;
+        const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+        // The state entering chunk c.
+        store_state(chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate);
         const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
         const float cs_last = dA_cumsum[cb + last];
         int seq_last = 0, seq_prev = 0;
@@ -130,16 +134,7 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
         }
     }
 
-    float* fin = final_states + ((i64)b * nheads + h) * headdim * dstate;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int pr = pr0 + ((e & 2) ? 8 : 0);
-            int nc = j * 8 + 2 * q + (e & 1);
-            if (pr < rows_p && nc < cols_n) fin[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
-        }
-    }
+    store_state(final_states + ((i64)b * nheads + h) * headdim * dstate);
 }
 
 // Stage 2, split in two for parallelism (the default path; ssd_fwd_pass_state above is the

@@ -788,14 +788,7 @@ fn parse_manifest(text: &str) -> Result<Manifest, String> {
             .ok_or_else(|| format!("`dims.{key}` must be a non-negative integer, got {v}"))?;
     }
     let [batch, seqlen, nheads, headdim, ngroups, dstate] = sizes;
-    let dims = Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    };
+    let dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
 
     let chunk_size = match obj.get("chunk_size") {
         Some(v) => {

@@ -156,13 +156,8 @@ pub fn dims_strategy(lim: Limits) -> impl Strategy<Value = Dims> {
         1..=lim.headdim,
         1..=lim.dstate,
     )
-        .prop_map(|(batch, seqlen, (nheads, ngroups), headdim, dstate)| Dims {
-            batch,
-            seqlen,
-            nheads,
-            headdim,
-            ngroups,
-            dstate,
+        .prop_map(|(batch, seqlen, (nheads, ngroups), headdim, dstate)| {
+            Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate)
         })
 }
 

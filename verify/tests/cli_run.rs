@@ -47,6 +47,13 @@ fn oracle(args: &[&str]) -> Output {
         .expect("the binary runs")
 }
 
+/// `ssd-oracle run --case CASE --impl IMP --out OUT EXTRA...`
+fn run(case: &Path, imp: &str, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["run", "--case", s(case), "--impl", imp, "--out", s(out)];
+    args.extend_from_slice(extra);
+    oracle(&args)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -89,7 +96,7 @@ fn naive_and_chunked_write_the_contract_tensors_and_agree() {
     let naive_out = dir.join("naive.safetensors");
     let chunked_out = dir.join("chunked.safetensors");
     for (imp, out) in [("naive", &naive_out), ("chunked", &chunked_out)] {
-        let o = oracle(&["run", "--case", s(&case), "--impl", imp, "--out", s(out)]);
+        let o = run(&case, imp, out, &[]);
         assert!(o.status.success(), "{imp}: {}", stderr(&o));
         let said = String::from_utf8_lossy(&o.stdout);
         assert!(said.starts_with("wrote out, final_states"), "{said}");
@@ -143,15 +150,7 @@ fn f32_and_tf32_write_f32_close_to_the_f64_result() {
     let dir = scratch("f32");
     let case = write_full_case(&dir);
     let truth = dir.join("truth.safetensors");
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&truth),
-    ]);
+    let o = run(&case, "naive", &truth, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let truth = TensorFile::open(&truth)
         .unwrap()
@@ -164,17 +163,7 @@ fn f32_and_tf32_write_f32_close_to_the_f64_result() {
         ("chunked", "tf32", 1e-2),
     ] {
         let out = dir.join(format!("{imp}-{precision}.safetensors"));
-        let o = oracle(&[
-            "run",
-            "--case",
-            s(&case),
-            "--impl",
-            imp,
-            "--out",
-            s(&out),
-            "--precision",
-            precision,
-        ]);
+        let o = run(&case, imp, &out, &["--precision", precision]);
         assert!(o.status.success(), "{imp} {precision}: {}", stderr(&o));
         let t = TensorFile::open(&out).unwrap().read_float("out").unwrap();
         assert_eq!(t.dtype, Dtype::F32, "{imp} {precision}");
@@ -193,20 +182,12 @@ fn repeat_json_reports_timings_without_file_io() {
     let dir = scratch("json");
     let case = write_full_case(&dir);
     let out = dir.join("o.safetensors");
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
+    let o = run(
+        &case,
         "chunked",
-        "--out",
-        s(&out),
-        "--repeat",
-        "5",
-        "--json",
-        "--precision",
-        "tf32",
-    ]);
+        &out,
+        &["--repeat", "5", "--json", "--precision", "tf32"],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout).unwrap();
     assert_eq!(text.trim_end().lines().count(), 1, "{text}");
@@ -242,17 +223,7 @@ fn tf32_with_naive_is_refused_before_any_work() {
     let dir = scratch("tf32naive");
     let case = write_full_case(&dir);
     let out = dir.join("o.safetensors");
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&out),
-        "--precision",
-        "tf32",
-    ]);
+    let o = run(&case, "naive", &out, &["--precision", "tf32"]);
     assert_refused(&o, &["tf32", "--impl chunked"]);
     assert_files(&dir, &["case.json", "case.safetensors"]);
 }
@@ -262,7 +233,7 @@ fn gpu_runs_or_says_no_cuda_in_one_line() {
     let dir = scratch("gpu");
     let case = write_full_case(&dir);
     let out = dir.join("o.safetensors");
-    let o = oracle(&["run", "--case", s(&case), "--impl", "gpu", "--out", s(&out)]);
+    let o = run(&case, "gpu", &out, &[]);
     if o.status.success() {
         // A GPU is here: tf32 outputs with every tensor of the chunked path.
         let f = fs::read(&out).unwrap();
@@ -289,44 +260,20 @@ fn unusable_cases_leave_no_output_and_keep_an_existing_one() {
     fs::write(&out, b"previous results").unwrap();
 
     // Missing manifest.
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&dir.join("nope.json")),
-        "--impl",
-        "naive",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&dir.join("nope.json"), "naive", &out, &[]);
     assert_refused(&o, &["cannot read", "nope.json"]);
 
     // Wrong format string.
     let text = fs::read_to_string(&case).unwrap();
     let bad = dir.join("bad.json");
     fs::write(&bad, text.replace("ssd-fixture/1", "ssd-fixture/9")).unwrap();
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&bad),
-        "--impl",
-        "chunked",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&bad, "chunked", &out, &[]);
     assert_refused(&o, &["bad.json", "ssd-fixture/9"]);
 
     // A tensor file that is not safetensors.
     fs::write(dir.join("junk.safetensors"), b"junk").unwrap();
     fs::write(&bad, text.replace("case.safetensors", "junk.safetensors")).unwrap();
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&bad),
-        "--impl",
-        "naive",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&bad, "naive", &out, &[]);
     assert_refused(&o, &["junk.safetensors", "not a valid safetensors file"]);
 
     // A bad value (the reference's check, through the CLI).
@@ -335,15 +282,7 @@ fn unusable_cases_leave_no_output_and_keep_an_existing_one() {
         text.replace("\"chunk_size\": 16", "\"chunk_size\": 12"),
     )
     .unwrap();
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&bad),
-        "--impl",
-        "naive",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&bad, "naive", &out, &[]);
     assert_refused(&o, &["chunk_size", "power of two"]);
 
     assert_eq!(fs::read(&out).unwrap(), b"previous results");
@@ -370,27 +309,11 @@ fn a_chunk_size_too_large_for_memory_is_refused_not_aborted() {
     )
     .unwrap();
     let out = dir.join("o.safetensors");
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "chunked",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&case, "chunked", &out, &[]);
     assert_refused(&o, &["chunk_size", "GiB"]);
     assert_files(&dir, &["case.json", "case.safetensors"]);
     // The naive path has no chunked intermediates: the same case runs.
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&out),
-    ]);
+    let o = run(&case, "naive", &out, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
@@ -401,50 +324,18 @@ fn unusable_output_paths_are_refused() {
     let tensors = dir.join("case.safetensors");
     let before = fs::read(&tensors).unwrap();
 
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&tensors),
-    ]);
+    let o = run(&case, "naive", &tensors, &[]);
     assert_refused(&o, &["refusing to overwrite an input"]);
     assert_eq!(fs::read(&tensors).unwrap(), before);
 
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&case),
-    ]);
+    let o = run(&case, "naive", &case, &[]);
     assert_refused(&o, &["refusing to overwrite an input"]);
 
     let missing = dir.join("no").join("such").join("o.safetensors");
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&missing),
-    ]);
+    let o = run(&case, "naive", &missing, &[]);
     assert_refused(&o, &["does not exist"]);
 
-    let o = oracle(&[
-        "run",
-        "--case",
-        s(&case),
-        "--impl",
-        "naive",
-        "--out",
-        s(&dir),
-    ]);
+    let o = run(&case, "naive", &dir, &[]);
     assert_refused(&o, &["not a folder"]);
     assert_files(&dir, &["case.json", "case.safetensors"]);
 }

@@ -96,14 +96,7 @@ fn gpu_fuzz_matches_float64_reference() {
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
 /// seq_idx, ngroups > 1, every option, dstate at the limit, chunk 256 and the largest chunk.
 pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
-    let dims = |batch, seqlen, nheads, headdim, ngroups, dstate| Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    };
+    let dims = Dims::new;
     let mut specs = vec![
         ProblemSpec::full(dims(2, 300, 4, 40, 2, 72), 64),
         ProblemSpec::full(dims(1, 517, 2, 64, 1, 256), 256),

@@ -101,14 +101,7 @@ pub fn random_spec(rng: &mut Rng, cap: usize) -> ProblemSpec {
     };
     let per_token = batch * nheads * headdim * dstate;
     seqlen = seqlen.min((cap / per_token).max(1));
-    let dims = Dims {
-        batch,
-        seqlen,
-        nheads,
-        headdim,
-        ngroups,
-        dstate,
-    };
+    let dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
     let dt_softplus = rng.chance(0.5);
     let dt_limit = match rng.range(0, 3) {
         0 | 1 => (0.0, f64::INFINITY),
