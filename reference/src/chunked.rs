@@ -14,13 +14,11 @@
 //! `Fused` sweeps the chunks of one (batch, group) in order, doing stage 2 and stage 3 of a
 //! chunk while its data is in cache, parallel over (batch, group). The second moves about a
 //! third of the memory traffic of the first.
-use std::mem::MaybeUninit;
-
-use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, Axis};
+use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, ArrayViewMut5, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::{chunk_cumsum, ChunkCumsum};
-use crate::compute_out::{compute_out, out_block, transpose_into, HeadStates, OutScratch};
+use crate::compute_out::{compute_out, out_block, transpose_into, Cell, HeadStates, OutScratch};
 use crate::flat::Flat;
 use crate::fwd_pass_state::{fwd_pass_state, local_state_t, pass_scale, StateScratch};
 use crate::prefetch;
@@ -78,13 +76,7 @@ pub fn forward_with<T: Real>(
     schedule: Schedule,
 ) -> ChunkedOutput<T> {
     let cumsum = chunk_cumsum(p);
-    let d = p.dims();
-    let fused = match schedule {
-        Schedule::Staged => false,
-        Schedule::Fused => true,
-        Schedule::Auto => d.batch * d.ngroups >= 2 * rayon::current_num_threads(),
-    };
-    if fused {
+    if is_fused(p, schedule) {
         return fused_forward(p, cumsum, precision);
     }
     let pass = fwd_pass_state(p, &cumsum, precision);
@@ -94,6 +86,53 @@ pub fn forward_with<T: Real>(
         final_states: pass.final_states,
         dA_cumsum: cumsum.dA_cumsum,
         chunk_states: pass.chunk_states,
+    }
+}
+
+/// [`forward`] into the arrays of an earlier result, for a caller that computes many problems
+/// of one shape: the same bits as [`forward`].
+///
+/// Under the fused schedule (which [`Schedule::Auto`] picks when there are at least two
+/// (batch, group) pairs per thread of rayon's pool), `out`, `chunk_states` and `final_states`
+/// are overwritten in place when their shapes fit `p` and they are in standard layout: no
+/// allocation, and no fresh pages for the operating system to map (at issue 2's shape, 34 MB
+/// per call). Otherwise, or under the staged schedule, `dst` is replaced by a fresh result.
+pub fn forward_into<T: Real>(
+    p: &Problem<T>,
+    precision: MatmulPrecision,
+    dst: &mut ChunkedOutput<T>,
+) {
+    let d = *p.dims();
+    let nc = p.nchunks();
+    let fits = dst.out.shape() == [d.batch, d.seqlen, d.nheads, d.headdim]
+        && dst.chunk_states.shape() == [d.batch, nc, d.nheads, d.headdim, d.dstate]
+        && dst.final_states.shape() == [d.batch, d.nheads, d.headdim, d.dstate]
+        && dst.out.is_standard_layout()
+        && dst.chunk_states.is_standard_layout()
+        && dst.final_states.is_standard_layout();
+    if !(fits && is_fused(p, Schedule::Auto)) {
+        *dst = forward(p, precision);
+        return;
+    }
+    let cumsum = chunk_cumsum(p);
+    fused_sweep(
+        p,
+        &cumsum,
+        precision,
+        dst.out.view_mut(),
+        dst.chunk_states.view_mut(),
+        &mut dst.final_states,
+    );
+    dst.dA_cumsum = cumsum.dA_cumsum;
+}
+
+/// Whether `schedule` runs as [`Schedule::Fused`] for `p`.
+fn is_fused<T: Real>(p: &Problem<T>, schedule: Schedule) -> bool {
+    let d = p.dims();
+    match schedule {
+        Schedule::Staged => false,
+        Schedule::Fused => true,
+        Schedule::Auto => d.batch * d.ngroups >= 2 * rayon::current_num_threads(),
     }
 }
 
@@ -109,29 +148,90 @@ fn fused_forward<T: Real>(
 ) -> ChunkedOutput<T> {
     let d = *p.dims();
     let nc = p.nchunks();
-    let cs = p.options().chunk_size;
-    let hpg = d.heads_per_group();
-    let n = d.headdim * d.dstate;
-    let f = Flat::new(p, &cumsum, precision);
-    // Not zeroed: the sweep below writes every entry of both exactly once (see the end).
+    // Not zeroed: the sweep writes every entry of both exactly once (see below).
     let mut out = Array4::<T>::uninit((d.batch, d.seqlen, d.nheads, d.headdim));
     let mut chunk_states = Array5::<T>::uninit((d.batch, nc, d.nheads, d.headdim, d.dstate));
     let mut final_states = Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate));
+    fused_sweep(
+        p,
+        &cumsum,
+        precision,
+        out.view_mut(),
+        chunk_states.view_mut(),
+        &mut final_states,
+    );
+    // SAFETY: every entry of `out` and `chunk_states` has been written ([`fused_sweep`] sets
+    // every entry of both; see there). Had it panicked, the panic would have propagated before
+    // this point and the arrays would have been dropped as `MaybeUninit` (nothing read).
+    let (out, chunk_states) = unsafe { (out.assume_init(), chunk_states.assume_init()) };
+    ChunkedOutput {
+        out,
+        final_states,
+        dA_cumsum: cumsum.dA_cumsum,
+        chunk_states,
+    }
+}
+
+/// The sweep of [`Schedule::Fused`], writing `out` (`[batch, seqlen, nheads, headdim]`),
+/// `chunk_states` (`[batch, nchunks, nheads, headdim, dstate]`) and `final_states`
+/// (`[batch, nheads, headdim, dstate]`, standard layout).
+///
+/// Every entry of the three is written exactly once and none is read, so the first two may
+/// be memory not yet written ([`Cell`]). The (batch, group) pairs partition them (split along
+/// batch and, within a batch, into the heads of each group). For its pair, the sweep writes,
+/// for every chunk `c` in `0..nchunks`: `chunk_states[b, c, heads of g]` entire (the
+/// transposes of the `hpg` states `run_t`, each `dstate x headdim` into `headdim x dstate`,
+/// which cover the contiguous slice `entering`), and `out[b, t0..t0 + L, heads of g, :]`
+/// entire (`out_block` sets every (row, head, channel) of its block); the chunks' row ranges
+/// `t0..t0 + L` cover `0..seqlen`. At the end it writes every head's `final_states`.
+///
+/// # Panics
+/// If the shapes are not those `p` implies, or `chunk_states` or `final_states` is not in
+/// standard layout.
+fn fused_sweep<T: Real, O: Cell<T> + Send>(
+    p: &Problem<T>,
+    cumsum: &ChunkCumsum<T>,
+    precision: MatmulPrecision,
+    mut out: ArrayViewMut4<'_, O>,
+    mut chunk_states: ArrayViewMut5<'_, O>,
+    final_states: &mut Array4<T>,
+) {
+    let d = *p.dims();
+    let nc = p.nchunks();
+    let cs = p.options().chunk_size;
+    let hpg = d.heads_per_group();
+    let n = d.headdim * d.dstate;
+    let f = Flat::new(p, cumsum, precision);
+    assert_eq!(
+        out.shape(),
+        &[d.batch, d.seqlen, d.nheads, d.headdim],
+        "out"
+    );
+    assert_eq!(
+        chunk_states.shape(),
+        &[d.batch, nc, d.nheads, d.headdim, d.dstate],
+        "chunk_states"
+    );
+    assert_eq!(
+        final_states.shape(),
+        &[d.batch, d.nheads, d.headdim, d.dstate],
+        "final_states"
+    );
     // Per (b, g): out[b, :, heads of g, :], chunk_states[b, :, heads of g], final_states[b,
     // heads of g] (contiguous: [hpg, headdim, dstate]).
-    let outs: Vec<ArrayViewMut3<MaybeUninit<T>>> = out
+    let outs: Vec<ArrayViewMut3<O>> = out
         .view_mut()
         .into_outer_iter_mut()
         .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(1), hpg))
         .collect();
-    let states: Vec<ArrayViewMut4<MaybeUninit<T>>> = chunk_states
+    let states: Vec<ArrayViewMut4<O>> = chunk_states
         .view_mut()
         .into_outer_iter_mut()
         .flat_map(|sb| sb.into_axis_chunks_iter_mut(Axis(1), hpg))
         .collect();
     let fins: Vec<&mut [T]> = final_states
         .as_slice_mut()
-        .expect("fresh array")
+        .expect("final_states in standard layout")
         .chunks_mut(hpg * n)
         .collect();
     outs.into_par_iter()
@@ -160,7 +260,7 @@ fn fused_forward<T: Real>(
                 let mut entering = st_cur.index_axis_mut(Axis(0), c);
                 let entering = entering
                     .as_slice_mut()
-                    .expect("the heads of a group are contiguous");
+                    .expect("the heads of a group are contiguous (standard layout)");
                 for (hh, dst) in entering.chunks_exact_mut(n).enumerate() {
                     transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
                 }
@@ -228,21 +328,4 @@ fn fused_forward<T: Real>(
                 transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
             }
         });
-    // SAFETY: every entry of `out` and `chunk_states` has been written. The (batch, group)
-    // pairs partition both (`outs` and `states` above split them along batch and, within a
-    // batch, into the heads of each group). For its pair, the sweep writes, for every chunk
-    // `c` in `0..nchunks`: `chunk_states[b, c, heads of g]` entire (the transposes of the
-    // `hpg` states `run_t`, each `dstate x headdim` into `headdim x dstate`, which cover the
-    // contiguous slice `entering`), and `out[b, t0..t0 + L, heads of g, :]` entire
-    // (`out_block` sets every (row, head, channel) of its block). The chunks' row ranges
-    // `t0..t0 + L` cover `0..seqlen`. `for_each` returns only once every pair is done; had
-    // one panicked, the panic would have propagated before this point and the arrays would
-    // have been dropped as `MaybeUninit` (nothing read).
-    let (out, chunk_states) = unsafe { (out.assume_init(), chunk_states.assume_init()) };
-    ChunkedOutput {
-        out,
-        final_states,
-        dA_cumsum: cumsum.dA_cumsum,
-        chunk_states,
-    }
 }

@@ -31,9 +31,37 @@ use crate::{Output, Problem, Real};
 /// `[batch, nheads, headdim, dstate]` (the state after the last token of each row).
 pub fn forward<T: Real>(p: &Problem<T>) -> Output<T> {
     let d = *p.dims();
+    let mut dst = Output {
+        out: crate::par_zeros((d.batch, d.seqlen, d.nheads, d.headdim)),
+        final_states: Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate)),
+    };
+    recurrence(p, &mut dst);
+    dst
+}
+
+/// [`forward`] into the arrays of an earlier result, for a caller that computes many problems
+/// of one shape: the same bits as [`forward`]. `out` and `final_states` are overwritten in
+/// place when their shapes fit `p` and they are in standard layout (no allocation); otherwise
+/// `dst` is replaced by a fresh result.
+pub fn forward_into<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
+    let d = *p.dims();
+    let fits = dst.out.shape() == [d.batch, d.seqlen, d.nheads, d.headdim]
+        && dst.final_states.shape() == [d.batch, d.nheads, d.headdim, d.dstate]
+        && dst.out.is_standard_layout()
+        && dst.final_states.is_standard_layout();
+    if fits {
+        recurrence(p, dst);
+    } else {
+        *dst = forward(p);
+    }
+}
+
+/// The recurrence, writing every entry of `dst.out` and `dst.final_states` (shapes as `p`
+/// implies, standard layout).
+fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
+    let d = *p.dims();
     let i = p.inputs();
-    let mut out: Array4<T> = crate::par_zeros((d.batch, d.seqlen, d.nheads, d.headdim));
-    let mut final_states = Array4::<T>::zeros((d.batch, d.nheads, d.headdim, d.dstate));
+    let Output { out, final_states } = dst;
 
     // Flat row-major copies (no copy when the inputs are already standard layout).
     let x = i.x.as_standard_layout();
@@ -56,7 +84,7 @@ pub fn forward<T: Real>(p: &Problem<T>) -> Output<T> {
         .collect();
     let fin_bh: Vec<&mut [T]> = final_states
         .as_slice_mut()
-        .expect("fresh array")
+        .expect("final_states in standard layout")
         .chunks_mut(d.headdim * d.dstate)
         .collect();
 
@@ -137,7 +165,6 @@ pub fn forward<T: Real>(p: &Problem<T>) -> Output<T> {
                 }
             }
         });
-    Output { out, final_states }
 }
 
 /// Two consecutive tokens' updates of a transposed state, fused: for every state element,

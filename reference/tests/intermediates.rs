@@ -7,7 +7,8 @@
 //! - `dA_cumsum` is the within-chunk cumsum of `dt' A`, flat past `seqlen`;
 //! - `chunk_state` followed by `state_passing` is `fwd_pass_state`;
 //! - results do not depend on the number of threads (every sum has a fixed order), nor on the
-//!   schedule (`Staged` and `Fused` give the same bits).
+//!   schedule (`Staged` and `Fused` give the same bits), nor on whether the outputs are
+//!   written into an earlier result's arrays (`forward_into`).
 mod common;
 
 use common::*;
@@ -71,6 +72,76 @@ proptest! {
         prop_assert_eq!(&a.final_states, &b.final_states);
         prop_assert_eq!(&a.chunk_states, &b.chunk_states);
     }
+}
+
+proptest! {
+    #![proptest_config(config(64, 0x55D_0003))]
+
+    /// `forward_into` over the result of another problem of the same shape (every stale entry
+    /// must be overwritten) or of another shape (replaced) gives the bits of `forward`.
+    #[test]
+    fn forward_into_an_earlier_result_gives_the_same_bits(
+        spec in any_spec(120),
+        seed in any::<u64>(),
+        tf32 in any::<bool>(),
+        threads in 1usize..=2,
+    ) {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let p = random_problem(&spec, seed).unwrap();
+            let other = random_problem(&spec, seed ^ 0x5EED).unwrap();
+            let prec = if tf32 { MatmulPrecision::Tf32 } else { MatmulPrecision::Native };
+            let want = chunked::forward(&p, prec);
+            let mut got = chunked::forward(&other, prec);
+            chunked::forward_into(&p, prec, &mut got);
+            prop_assert_eq!(&got.out, &want.out);
+            prop_assert_eq!(&got.final_states, &want.final_states);
+            prop_assert_eq!(&got.chunk_states, &want.chunk_states);
+            prop_assert_eq!(&got.dA_cumsum, &want.dA_cumsum);
+            let smaller = p.prefix(p.dims().seqlen.div_ceil(2)).unwrap();
+            let mut got = chunked::forward(&smaller, prec);
+            chunked::forward_into(&p, prec, &mut got);
+            prop_assert_eq!(&got.out, &want.out);
+            prop_assert_eq!(&got.chunk_states, &want.chunk_states);
+
+            let want = naive::forward(&p);
+            let mut got = naive::forward(&other);
+            naive::forward_into(&p, &mut got);
+            prop_assert_eq!(&got.out, &want.out);
+            prop_assert_eq!(&got.final_states, &want.final_states);
+            Ok(())
+        })?;
+    }
+}
+
+/// Where the fused schedule runs, `forward_into` writes into the arrays it was given.
+#[test]
+fn forward_into_reuses_the_arrays_under_the_fused_schedule() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        let dims = Dims::new(2, 50, 4, 3, 2, 5);
+        let spec = ProblemSpec::full(dims, 8);
+        let (p, other) = (
+            random_problem(&spec, 1).unwrap(),
+            random_problem(&spec, 2).unwrap(),
+        );
+        let mut got = chunked::forward(&other, MatmulPrecision::Native);
+        let ptrs = (got.out.as_ptr(), got.chunk_states.as_ptr());
+        chunked::forward_into(&p, MatmulPrecision::Native, &mut got);
+        assert_eq!((got.out.as_ptr(), got.chunk_states.as_ptr()), ptrs);
+        let want = chunked::forward(&p, MatmulPrecision::Native);
+        assert_eq!(got.out, want.out);
+        assert_eq!(got.chunk_states, want.chunk_states);
+        assert_eq!(got.final_states, want.final_states);
+        let mut got = naive::forward(&other);
+        let ptr = got.out.as_ptr();
+        naive::forward_into(&p, &mut got);
+        assert_eq!(got.out.as_ptr(), ptr);
+        assert_eq!(got.out, naive::forward(&p).out);
+    });
 }
 
 #[test]

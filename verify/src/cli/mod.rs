@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ssd_reference::{chunked, naive, MatmulPrecision, Problem};
+use ssd_reference::{chunked, naive, ChunkedOutput, MatmulPrecision, Output, Problem};
 use ssd_verify::fixture::{FloatDtype, Outputs};
 use ssd_verify::VerifyError;
 
@@ -264,32 +264,101 @@ pub fn compute(
     imp: Impl,
     precision: Precision,
 ) -> Result<(Outputs<f64>, Duration), VerifyError> {
+    let (computed, took) = compute_reusing(problem, imp, precision, None)?;
+    Ok((computed.into_outputs(), took))
+}
+
+/// A result in the precision it was computed in, which the next computation of the same
+/// problem can write into ([`compute_reusing`]).
+pub enum Computed {
+    NaiveF64(Output<f64>),
+    NaiveF32(Output<f32>),
+    ChunkedF64(ChunkedOutput<f64>),
+    ChunkedF32(ChunkedOutput<f32>),
+    Gpu(Outputs<f64>),
+}
+
+impl Computed {
+    /// The outputs widened to f64 (moved, not copied, when they are f64 already).
+    pub fn into_outputs(self) -> Outputs<f64> {
+        match self {
+            Computed::NaiveF64(o) => Outputs::from(o),
+            Computed::ChunkedF64(o) => Outputs::from(o),
+            Computed::NaiveF32(o) => Outputs::from(o).to_f64(),
+            Computed::ChunkedF32(o) => Outputs::from(o).to_f64(),
+            Computed::Gpu(o) => o,
+        }
+    }
+}
+
+/// [`compute`], writing into the arrays of `previous` (an earlier result of the same problem,
+/// implementation and precision) where the implementation allows: the CPU paths then allocate
+/// no outputs, so that repeated timings measure the computation, not the operating system
+/// mapping fresh pages for every call's outputs. The result is the same either way.
+///
+/// # Errors
+/// As [`check_combination`].
+pub fn compute_reusing(
+    problem: &Prepared<'_>,
+    imp: Impl,
+    precision: Precision,
+    previous: Option<Computed>,
+) -> Result<(Computed, Duration), VerifyError> {
     check_combination(imp, precision)?;
     let matmul = match precision {
         Precision::Tf32 => MatmulPrecision::Tf32,
         Precision::F64 | Precision::F32 => MatmulPrecision::Native,
     };
-    Ok(match (imp, problem) {
-        (Impl::Naive, Prepared::F64(p)) => widen(timed(|| Outputs::from(naive::forward(*p)))),
-        (Impl::Naive, Prepared::F32(p)) => widen(timed(|| Outputs::from(naive::forward(p)))),
-        (Impl::Chunked, Prepared::F64(p)) => {
-            widen(timed(|| Outputs::from(chunked::forward(*p, matmul))))
+    Ok(match (imp, problem, previous) {
+        (Impl::Naive, Prepared::F64(p), Some(Computed::NaiveF64(mut o))) => {
+            let took = timed(|| naive::forward_into(*p, &mut o));
+            (Computed::NaiveF64(o), took)
         }
-        (Impl::Chunked, Prepared::F32(p)) => {
-            widen(timed(|| Outputs::from(chunked::forward(p, matmul))))
+        (Impl::Naive, Prepared::F64(p), _) => {
+            let (o, took) = timed_value(|| naive::forward(*p));
+            (Computed::NaiveF64(o), took)
         }
-        (Impl::Gpu, _) => return gpu_forward(problem, precision),
+        (Impl::Naive, Prepared::F32(p), Some(Computed::NaiveF32(mut o))) => {
+            let took = timed(|| naive::forward_into(p, &mut o));
+            (Computed::NaiveF32(o), took)
+        }
+        (Impl::Naive, Prepared::F32(p), _) => {
+            let (o, took) = timed_value(|| naive::forward(p));
+            (Computed::NaiveF32(o), took)
+        }
+        (Impl::Chunked, Prepared::F64(p), Some(Computed::ChunkedF64(mut o))) => {
+            let took = timed(|| chunked::forward_into(*p, matmul, &mut o));
+            (Computed::ChunkedF64(o), took)
+        }
+        (Impl::Chunked, Prepared::F64(p), _) => {
+            let (o, took) = timed_value(|| chunked::forward(*p, matmul));
+            (Computed::ChunkedF64(o), took)
+        }
+        (Impl::Chunked, Prepared::F32(p), Some(Computed::ChunkedF32(mut o))) => {
+            let took = timed(|| chunked::forward_into(p, matmul, &mut o));
+            (Computed::ChunkedF32(o), took)
+        }
+        (Impl::Chunked, Prepared::F32(p), _) => {
+            let (o, took) = timed_value(|| chunked::forward(p, matmul));
+            (Computed::ChunkedF32(o), took)
+        }
+        (Impl::Gpu, _, _) => {
+            let (o, took) = gpu_forward(problem, precision)?;
+            (Computed::Gpu(o), took)
+        }
     })
 }
 
-fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
+fn timed(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
+}
+
+fn timed_value<R>(f: impl FnOnce() -> R) -> (R, Duration) {
     let start = Instant::now();
     let r = f();
     (r, start.elapsed())
-}
-
-fn widen<T: ssd_reference::Real>((o, d): (Outputs<T>, Duration)) -> (Outputs<f64>, Duration) {
-    (o.to_f64(), d)
 }
 
 // ---------------------------------------------------------------------------------------------
