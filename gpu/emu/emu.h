@@ -66,6 +66,7 @@ extern thread_local std::vector<std::vector<Copy>> g_groups;
 extern thread_local std::vector<Copy> g_cur;
 inline void cp_async16(float* dst, const float* src, bool valid, const float*) { g_cur.push_back({dst, src, 16, valid}); }
 inline void cp_async4(void* dst, const void* src, bool valid, const void*) { g_cur.push_back({dst, src, 4, valid}); }
+inline void cp_async16_all(unsigned dst, const float* src) { g_cur.push_back({(char*)g_dyn + dst, src, 16, true}); }
 inline void cp_async_commit() { g_groups.push_back(g_cur); g_cur.clear(); }
 template <int N> inline void cp_async_wait() {
     while ((int)g_groups.size() > N) {

@@ -25,7 +25,7 @@ def strip(src, name):
     raise SystemExit(f"unbalanced braces after {name}")
 
 
-for n in ["tf32_round", "mma_tf32", "smem_addr", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "ex2_approx"]:
+for n in ["tf32_round", "mma_tf32", "smem_addr", "cp_async16", "cp_async16_all", "cp_async4", "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "ex2_approx"]:
     common = strip(common, n)
 common = common.replace("typedef long long i64;", "")
 src = '#include "emu.h"\ntypedef long long i64;\n' + common

@@ -78,10 +78,10 @@ int main(int argc, char** argv) {
     // new
     std::vector<float> cstN(nst, NAN), finN(nfs, NAN), outN(nx, NAN), outLN(nx, NAN);
     if (N > 64)  // the wide variant, as the host picks it: 128 dstate columns, 256 threads
-        launch({(unsigned)(nc * ptiles * ((N + 127) / 128)), (unsigned)H, (unsigned)B}, 256, 2 * (64 * 72 + 64 * 136 + 3 * 64) * 4, [&] {
+        launch({(unsigned)(nc * ptiles * ((N + 127) / 128)), (unsigned)H, (unsigned)B}, 256, (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4, [&] {
             ssd_chunk_state_local_wide(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
     else
-        launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 2 * (64 * 72 + 64 * 72 + 3 * 64) * 4, [&] {
+        launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4, [&] {
             ssd_chunk_state_local(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
     const int vec4 = (P * N) % 4 == 0 ? 1 : 0;
     launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {

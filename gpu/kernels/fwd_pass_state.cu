@@ -148,10 +148,19 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // ssd_chunk_state_local_wide, for dstate > 64: each x tile is read once per 128 columns instead
 // of once per 64). The grid's x is chunk-major: c * tiles + tile. The 64-token stages stream
 // through a cp.async double buffer: while stage k is multiplied, stage k + 1's x, B, cs, dt'
-// and seq_idx are in flight. Each stage: x's rows scaled by w in place (one pass), then the
-// product, warp (wm, wn) computing rows 32 wm and columns 32 wn of the tile. Operands go to
-// the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
-// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x (TN + 8), cs 64, dt' 64, seq 64].
+// and seq_idx are in flight. Per stage, each warp first writes w of the stage's 64 tokens to
+// its own 64 floats of shared memory (no block barrier), then runs the product, warp (wm, wn)
+// computing rows 32 wm and columns 32 wn of the tile, scaling x by w in registers. Operands go
+// to the tensor cores as raw f32 (truncated to TF32 there), f32 accumulation.
+//
+// The A fragments through 16-byte loads: the m16n8k8 product does not care which rows of the
+// tile its slots stand for, as long as the accumulators are stored back accordingly. Slot
+// g + 8 half of row fragment mi stands for row 4 g + 2 mi + half of the warp's 32, so that a
+// thread's A values at token l are the 4 consecutive x[l][4 g .. 4 g + 3]: one 16-byte load
+// (conflict-free at stride 72) instead of four 4-byte ones, scaled by w[l] on the way to the
+// fragment registers. (B's pairs span two tokens, so B keeps its 4-byte loads.)
+// Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x (TN + 8), cs 64, dt' 64,
+// seq 64], then w: 64 per warp.
 #define SL_BUF(TN) (ST_TK * ST_STRIDE + ST_TK * ((TN) + 8) + 3 * ST_TK)
 template <int TN>
 __device__ __forceinline__ void chunk_state_local_body(
@@ -176,6 +185,7 @@ __device__ __forceinline__ void chunk_state_local_body(
     const int grp = h / (nheads / ngroups);
     const int rows_p = min(ST_TP, headdim - p0);
     const int cols_n = min(TN, dstate - n0);
+    float* ws = smem + 2 * BUF + warp * ST_TK;  // this warp's w of the current stage
 
     float acc[2][4][4];
     zero_2x4(acc);
@@ -217,36 +227,32 @@ __device__ __forceinline__ void chunk_state_local_body(
         __syncthreads();     // everyone's have, and everyone is done with stage k - 1's buffer
         if (k + 1 < nst) issue(k + 1);
         cp_async_commit();
-        float* xs = smem + (k & 1) * BUF;
+        const float* xs = smem + (k & 1) * BUF;
         const float* bs = xs + ST_TK * ST_STRIDE;
         const float* csk = bs + ST_TK * BS;
         const float* dtk = csk + ST_TK;
         const int* seqk = (const int*)(dtk + ST_TK);
-        const int k0 = k * ST_TK;
-        const int rows_t = min(ST_TK, last + 1 - k0);
-        // x's rows times w, in place: this thread's 4 columns of 1024 / NT rows.
+        const int rows_t = min(ST_TK, last + 1 - k * ST_TK);
 #pragma unroll
-        for (int kk = 0; kk < 1024 / NT; ++kk) {
-            const int r = (tid >> 4) + (NT / 16) * kk;
+        for (int u = 0; u < 2; ++u) {
+            const int r = lane + 32 * u;
             const bool same = seq_row == nullptr || seqk[r] == seq_last;
-            const float w = (r < rows_t && same) ? ex2_approx(csl_last - csk[r] * LOG2E_F) * dtk[r] : 0.0f;
-            float4* pv = reinterpret_cast<float4*>(xs + r * ST_STRIDE + ((tid & 15) << 2));
-            const float4 v = *pv;
-            *pv = make_float4(v.x * w, v.y * w, v.z * w, v.w * w);
+            ws[r] = (r < rows_t && same) ? ex2_approx(csl_last - csk[r] * LOG2E_F) * dtk[r] : 0.0f;
         }
-        __syncthreads();  // the scaled tile is ready
-        const float* xa = xs + wm * 32 + g;  // A[p][l] = x[l][p]: read transposed
-        const float* bb = bs + wn * 32 + g;
+        __syncwarp();
+        const float* xa = xs + wm * 32 + 4 * g;  // A[p][l] = x[l][p] w[l], 4 rows per load
+        const float* bb = bs + wn * 32 + g;      // B[l][n]
 #pragma unroll
         for (int kk = 0; kk < ST_TK; kk += 8) {
-            unsigned a[2][4], bf[4][2];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                a[mi][0] = __float_as_uint(xa[(kk + q) * ST_STRIDE + mi * 16]);
-                a[mi][1] = __float_as_uint(xa[(kk + q) * ST_STRIDE + mi * 16 + 8]);
-                a[mi][2] = __float_as_uint(xa[(kk + q + 4) * ST_STRIDE + mi * 16]);
-                a[mi][3] = __float_as_uint(xa[(kk + q + 4) * ST_STRIDE + mi * 16 + 8]);
-            }
+            const float w0 = ws[kk + q], w1 = ws[kk + q + 4];
+            const float4 x0 = *reinterpret_cast<const float4*>(xa + (kk + q) * ST_STRIDE);
+            const float4 x1 = *reinterpret_cast<const float4*>(xa + (kk + q + 4) * ST_STRIDE);
+            const unsigned a[2][4] = {
+                {__float_as_uint(x0.x * w0), __float_as_uint(x0.y * w0), __float_as_uint(x1.x * w1),
+                 __float_as_uint(x1.y * w1)},
+                {__float_as_uint(x0.z * w0), __float_as_uint(x0.w * w0), __float_as_uint(x1.z * w1),
+                 __float_as_uint(x1.w * w1)}};
+            unsigned bf[4][2];
 #pragma unroll
             for (int nf = 0; nf < 4; ++nf) {
                 bf[nf][0] = __float_as_uint(bb[(kk + q) * BS + nf * 8]);
@@ -254,21 +260,27 @@ __device__ __forceinline__ void chunk_state_local_body(
             }
             mma_2x4(acc, a, bf);
         }
+        __syncwarp();  // every lane has read this stage's w before the next stage writes it
     }
 
+    // acc[mi][nf][2 hf + u]: row wm 32 + 4 g + 2 mi + hf, column wn 32 + 8 nf + 2 q + u
     float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
+    const bool vec_out = (dstate & 1) == 0;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + mi * 16 + g + 8 * hf;
+            const int pr = wm * 32 + 4 * g + 2 * mi + hf;
             if (pr >= rows_p) continue;
+            float* row = cst + (i64)(p0 + pr) * dstate + n0;
 #pragma unroll
             for (int nf = 0; nf < 4; ++nf) {
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int nc = wn * 32 + nf * 8 + 2 * q + u;
-                    if (nc < cols_n) cst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[mi][nf][2 * hf + u];
+                const int nc = wn * 32 + nf * 8 + 2 * q;
+                if (vec_out && nc + 1 < cols_n) {
+                    *reinterpret_cast<float2*>(row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+                } else {
+                    if (nc < cols_n) row[nc] = acc[mi][nf][2 * hf];
+                    if (nc + 1 < cols_n) row[nc + 1] = acc[mi][nf][2 * hf + 1];
                 }
             }
         }

@@ -177,11 +177,13 @@ pub(crate) fn compute_out_cb_rows(score_tiles: usize) -> usize {
 }
 
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
-/// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats.
-pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize = 2 * (64 * 72 + 64 * 72 + 3 * 64) * 4;
-/// The same for `ssd_chunk_state_local_wide` (128 dstate columns per block):
-/// two buffers of `64 * 72 + 64 * (128 + 8) + 3 * 64` floats.
-pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize = 2 * (64 * 72 + 64 * 136 + 3 * 64) * 4;
+/// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats, then 64 per warp (4 warps).
+pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize =
+    (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4;
+/// The same for `ssd_chunk_state_local_wide` (128 dstate columns per block, 8 warps):
+/// two buffers of `64 * 72 + 64 * (128 + 8) + 3 * 64` floats, then 64 per warp.
+pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize =
+    (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4;
 
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
