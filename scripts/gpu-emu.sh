@@ -36,5 +36,6 @@ done <<'CASES'
 1 70 1 16 1 16 1024 7 8
 2 260 2 64 1 64 128 2 9
 1 150 4 65 2 130 64 27 10
+1 90 40 8 4 8 32 17 11
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

@@ -53,8 +53,12 @@ int main(int argc, char** argv) {
     int softplus = (opts & 16) ? 1 : 0;
     size_t ncs = (size_t)B * H * nc * Q;
     std::vector<float> dto(ncs, NAN), dac(ncs, NAN);
-    launch({(unsigned)((B * nc * H + 127) / 128), 1, 1}, 128, 0, [&] {
-        ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 1); });
+    if (Q <= 256)  // the tiled kernel up to chunk 256 (the host also caps its grid at 1,024 blocks)
+        launch({(unsigned)nc, (unsigned)((H + 31) / 32), (unsigned)B}, 256, 0, [&] {
+            ssd_chunk_cumsum_tiled(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY); });
+    else
+        launch({(unsigned)((B * nc * H + 127) / 128), 1, 1}, 128, 0, [&] {
+            ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 1); });
     // old cumsum loop
     int bad = 0;
     for (int b = 0; b < B; ++b) for (int c = 0; c < nc; ++c) for (int h = 0; h < H; ++h) {

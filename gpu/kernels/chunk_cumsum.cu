@@ -75,3 +75,87 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
         dA_cumsum[out + l] = cs;
     }
 }
+
+// Version 2's stage 1 for chunk_size <= CS_TILED_MAX: one block of 256 threads per (batch b,
+// chunk c, 32 heads h0 ..). The block first loads the chunk's dt of its heads with every load
+// in flight at once (a row of 32 heads of one token per warp: coalesced; up to 32 loads per
+// thread issued before the first is used) and turns each value
+// into dt' in shared memory; one thread per head then walks the chunk in order (the same
+// products and the same sequential sum as above, so the same bits), storing dA_cumsum 16 bytes
+// at a time; last, the whole block stores dt' row by row (coalesced). The per-thread kernel
+// above waits one memory latency per 16 tokens, with few threads when batch * nchunks * nheads
+// is small. Shared memory: chunk_size x 33 floats (static, 33.8 KB at chunk 256).
+#define CS_TILED_MAX 256
+#define CS_HEADS 32
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_cumsum_tiled(
+    const float* __restrict__ dt,       // [batch, seqlen, nheads]
+    const float* __restrict__ A,        // [nheads]
+    const float* __restrict__ dt_bias,  // [nheads] or null
+    float* __restrict__ dt_out,         // [batch, nheads, nchunks, chunk_size]
+    float* __restrict__ dA_cumsum,      // [batch, nheads, nchunks, chunk_size]
+    int batch, int seqlen, int nheads, int chunk_size, int nchunks,
+    int dt_softplus, float dt_lo, float dt_hi)
+{
+    __shared__ float s[CS_TILED_MAX * (CS_HEADS + 1)];  // s[l * 33 + hh] = dt' of token l, head h0 + hh
+    const int tid = threadIdx.x;
+    const int c = blockIdx.x;
+    const int h0 = blockIdx.y * CS_HEADS;
+    const int b = blockIdx.z;
+    const i64 t0 = (i64)c * chunk_size;
+    const int valid = (int)min((i64)chunk_size, (i64)seqlen - t0);
+    const int nh = min(CS_HEADS, nheads - h0);
+    const float* src = dt + ((i64)b * seqlen + t0) * nheads + h0;
+    // every load of the thread (up to 32) issued before the first is used
+    constexpr int PER = CS_TILED_MAX * CS_HEADS / 256;
+    const int hh = tid % CS_HEADS;  // the same head for every k: 256 is a multiple of CS_HEADS
+    const bool head_ok = hh < nh;
+    const float bias = (dt_bias != nullptr && head_ok) ? dt_bias[h0 + hh] : 0.0f;
+    float v[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int l = (tid + 256 * k) / CS_HEADS;
+        v[k] = (l < valid && head_ok) ? src[(i64)l * nheads + hh] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int l = (tid + 256 * k) / CS_HEADS;
+        if (l >= chunk_size) break;  // l grows with k
+        float u = 0.0f;
+        if (l < valid && head_ok) {
+            u = v[k];
+            if (dt_bias != nullptr) u += bias;
+            if (dt_softplus) u = u > 20.0f ? u : log1pf(expf(u));
+            u = fminf(fmaxf(u, dt_lo), dt_hi);
+        }
+        s[l * (CS_HEADS + 1) + hh] = u;
+    }
+    __syncthreads();
+    if (tid < nh) {
+        const int h = h0 + tid;
+        const float a = A[h];
+        float* out = dA_cumsum + (((i64)b * nheads + h) * nchunks + c) * chunk_size;
+        float cs = 0.0f;
+        for (int l0 = 0; l0 < chunk_size; l0 += 4) {
+            float cv[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int l = l0 + k;
+                const float u = l < chunk_size ? s[l * (CS_HEADS + 1) + tid] : 0.0f;
+                cs = __fadd_rn(cs, __fmul_rn(u, a));
+                cv[k] = cs;
+            }
+            if (l0 + 4 <= chunk_size && (chunk_size & 3) == 0) {
+                *reinterpret_cast<float4*>(out + l0) = make_float4(cv[0], cv[1], cv[2], cv[3]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (l0 + k < chunk_size) out[l0 + k] = cv[k];
+            }
+        }
+    }
+    // dt' rows, consecutive threads along l
+    for (int e = tid; e < nh * chunk_size; e += 256) {
+        const int hh = e / chunk_size, l = e % chunk_size;
+        dt_out[(((i64)b * nheads + h0 + hh) * nchunks + c) * chunk_size + l] = s[l * (CS_HEADS + 1) + hh];
+    }
+}

@@ -24,6 +24,7 @@ pub const SOURCE: &str = concat!(
 
 /// Entry points of [`SOURCE`].
 pub(crate) const CHUNK_CUMSUM: &str = "ssd_chunk_cumsum";
+pub(crate) const CHUNK_CUMSUM_TILED: &str = "ssd_chunk_cumsum_tiled";
 pub(crate) const FWD_PASS_STATE: &str = "ssd_fwd_pass_state";
 pub(crate) const COMPUTE_OUT: &str = "ssd_compute_out";
 pub(crate) const CHUNK_STATE_LOCAL: &str = "ssd_chunk_state_local";

@@ -20,6 +20,7 @@ use crate::{kernels, GpuError};
 pub struct Gpu {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) chunk_cumsum_fn: CudaFunction,
+    pub(crate) chunk_cumsum_tiled_fn: CudaFunction,
     pub(crate) fwd_pass_state_fn: CudaFunction,
     pub(crate) compute_out_fn: CudaFunction,
     pub(crate) chunk_state_local_fn: CudaFunction,
@@ -83,6 +84,7 @@ impl Gpu {
         let ptx = kernels::ptx(target)?;
         let module = ctx.load_module(ptx)?;
         let chunk_cumsum_fn = module.load_function(kernels::CHUNK_CUMSUM)?;
+        let chunk_cumsum_tiled_fn = module.load_function(kernels::CHUNK_CUMSUM_TILED)?;
         let fwd_pass_state_fn = module.load_function(kernels::FWD_PASS_STATE)?;
         let compute_out_fn = module.load_function(kernels::COMPUTE_OUT)?;
         let chunk_state_local_fn = module.load_function(kernels::CHUNK_STATE_LOCAL)?;
@@ -114,6 +116,7 @@ impl Gpu {
         Ok(Gpu {
             stream,
             chunk_cumsum_fn,
+            chunk_cumsum_tiled_fn,
             fwd_pass_state_fn,
             compute_out_fn,
             chunk_state_local_fn,
