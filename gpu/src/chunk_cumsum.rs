@@ -53,52 +53,33 @@ impl Gpu {
         let (lo, hi) = (o.dt_limit.0 as f32, o.dt_limit.1 as f32);
         let head_tiles = d.nheads.div_ceil(TILED_HEADS);
         let tiled_blocks = d.batch * nchunks * head_tiles;
-        if !self.legacy
+        let tiled = !self.legacy
             && o.chunk_size <= TILED_MAX_CHUNK
             && tiled_blocks <= TILED_MAX_BLOCKS
             && head_tiles <= 65_535
-            && d.batch <= 65_535
-        {
+            && d.batch <= 65_535;
+        let (f, cfg) = if tiled {
             let cfg = LaunchConfig {
                 grid_dim: (nchunks as u32, head_tiles as u32, d.batch as u32),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = stream.launch_builder(&self.chunk_cumsum_tiled_fn);
-            launch
-                .arg(&inputs.dt)
-                .arg(&inputs.A)
-                .arg(&bias)
-                .arg(&mut outputs.dt)
-                .arg(&mut outputs.dA_cumsum)
-                .arg(&batch)
-                .arg(&seqlen)
-                .arg(&nheads)
-                .arg(&q)
-                .arg(&nc)
-                .arg(&softplus)
-                .arg(&lo)
-                .arg(&hi);
-            // SAFETY: the argument list matches `ssd_chunk_cumsum_tiled` in
-            // kernels/chunk_cumsum.cu, every buffer was checked against the sizes by
-            // `check_buffers`, chunk_size is within its static shared memory (CS_TILED_MAX) and
-            // the grid within the launch limits (at most TILED_MAX_BLOCKS blocks, y and z
-            // checked above).
-            unsafe { launch.launch(cfg) }?;
-            return Ok(());
-        }
-        let threads = d.batch * nchunks * d.nheads;
-        let blocks = u32::try_from(threads.div_ceil(THREADS as usize)).map_err(|_| {
-            crate::error::unsupported("batch * nchunks * nheads is too large for one launch")
-        })?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            (&self.chunk_cumsum_tiled_fn, cfg)
+        } else {
+            let threads = d.batch * nchunks * d.nheads;
+            let blocks = u32::try_from(threads.div_ceil(THREADS as usize)).map_err(|_| {
+                crate::error::unsupported("batch * nchunks * nheads is too large for one launch")
+            })?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (&self.chunk_cumsum_fn, cfg)
         };
         // version 2: 16 tokens' loads in flight (same sum, same bits); version 1's loop otherwise
         let unroll16 = i32::from(!self.legacy && o.chunk_size.is_multiple_of(16));
-        let mut launch = stream.launch_builder(&self.chunk_cumsum_fn);
+        let mut launch = stream.launch_builder(f);
         launch
             .arg(&inputs.dt)
             .arg(&inputs.A)
@@ -112,10 +93,15 @@ impl Gpu {
             .arg(&nc)
             .arg(&softplus)
             .arg(&lo)
-            .arg(&hi)
-            .arg(&unroll16);
-        // SAFETY: the argument list matches `ssd_chunk_cumsum` in kernels/chunk_cumsum.cu and
-        // every buffer was checked against the sizes by `check_buffers`.
+            .arg(&hi);
+        if !tiled {
+            launch.arg(&unroll16);
+        }
+        // SAFETY: the argument list matches `ssd_chunk_cumsum_tiled` (tiled) or
+        // `ssd_chunk_cumsum` (with `unroll16`) in kernels/chunk_cumsum.cu, and every buffer was
+        // checked against the sizes by `check_buffers`. The tiled kernel: chunk_size within its
+        // static shared memory (CS_TILED_MAX), grid within the launch limits (at most
+        // TILED_MAX_BLOCKS blocks; y and z checked above).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
