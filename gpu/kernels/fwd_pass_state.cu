@@ -260,7 +260,7 @@ __device__ __forceinline__ void chunk_state_local_body(
             }
             mma_2x4(acc, a, bf);
         }
-        __syncwarp();  // every lane has read this stage's w before the next stage writes it
+        __syncwarp();  // not needed: the next stage's block barrier orders these reads before w is rewritten
     }
 
     // acc[mi][nf][2 hf + u]: row wm 32 + 4 g + 2 mi + hf, column wn 32 + 8 nf + 2 q + u
