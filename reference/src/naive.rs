@@ -19,9 +19,10 @@
 //! `n` in order): plain loops that LLVM turns into FMA vector code without reassociating any
 //! sum. Four state rows are updated per pass to amortise the loads and stores of `y`.
 //! Parallel over (batch, head); no allocation per token.
-use ndarray::{Array4, ArrayViewMut2};
+use ndarray::{s, Array4, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
+use crate::prefetch;
 use crate::problem::gate;
 use crate::{Output, Problem, Real};
 
@@ -56,8 +57,37 @@ pub fn forward_into<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
     }
 }
 
+/// Tokens per time block: the state passes through registers once per block of this many
+/// tokens (their `u`, `y`, decays and B/C offsets are staged first).
+const TOKENS: usize = 16;
+/// State rows (`n`) held in registers by one tile.
+const ROWS: usize = 4;
+/// `headdim` entries held in registers per state row by one tile.
+const COLS: usize = 8;
+
+/// One time block's staged per-token values, shared by every tile of the state.
+struct TimeBlock<'a, T> {
+    /// `a_t` per token of the block.
+    decay: &'a [T],
+    /// `u_t = dt'_t * x_t`, `[tokens, headdim]`.
+    u: &'a [T],
+    /// `B_t` and `C_t` per token of the block, `[tokens, dstate]`, copied together so that a
+    /// tile's loads do not all fall in one cache set (consecutive tokens' rows lie
+    /// `ngroups * dstate` values apart in B and C).
+    b: &'a [T],
+    c: &'a [T],
+    headdim: usize,
+    dstate: usize,
+}
+
 /// The recurrence, writing every entry of `dst.out` and `dst.final_states` (shapes as `p`
 /// implies, standard layout).
+///
+/// One task per (row, block of heads): a row's heads are split into as few blocks as keep
+/// every thread busy, so that a task reads whole `[heads, headdim]` rows of `x` (and of `B`,
+/// `C`, `z`, `out`): consecutive tokens' rows are adjacent in memory, where a single head's
+/// rows would each lie on another page. The states of a block's heads (`dstate x headdim`
+/// each) stay in the L2 cache. Each head's arithmetic does not depend on the blocking.
 fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
     let d = *p.dims();
     let i = p.inputs();
@@ -68,194 +98,271 @@ fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
     let bm = i.B.as_standard_layout();
     let cm = i.C.as_standard_layout();
     let z = i.z.as_ref().map(|z| z.as_standard_layout());
-    let (x, bm, cm) = (
-        x.as_slice().expect("standard layout"),
-        bm.as_slice().expect("standard layout"),
-        cm.as_slice().expect("standard layout"),
-    );
-    let z = z.as_ref().map(|z| z.as_slice().expect("standard layout"));
+    let flat = Flat {
+        x: x.as_slice().expect("standard layout"),
+        bm: bm.as_slice().expect("standard layout"),
+        cm: cm.as_slice().expect("standard layout"),
+        z: z.as_ref().map(|z| z.as_slice().expect("standard layout")),
+    };
 
-    // One task per (b, h): its out[b, :, h, :] view and its final_states[b, h] slice.
-    let out_bh: Vec<ArrayViewMut2<T>> = out
-        .view_mut()
-        .permuted_axes([0, 2, 1, 3])
-        .into_outer_iter_mut()
-        .flat_map(|ob| ob.into_outer_iter_mut())
-        .collect();
-    let fin_bh: Vec<&mut [T]> = final_states
-        .as_slice_mut()
-        .expect("final_states in standard layout")
-        .chunks_mut(d.headdim * d.dstate)
-        .collect();
+    let head_blocks = rayon::current_num_threads()
+        .div_ceil(d.batch.max(1))
+        .clamp(1, d.nheads.max(1));
+    let heads_per_task = d.nheads.div_ceil(head_blocks).max(1);
 
-    out_bh
+    // One task per (b, head block): out[b, :, h0..h1, :] and final_states[b, h0..h1].
+    let mut tasks: Vec<Task<T>> = Vec::new();
+    let blocks = out
+        .axis_chunks_iter_mut(Axis(2), heads_per_task)
+        .zip(final_states.axis_chunks_iter_mut(Axis(1), heads_per_task));
+    for (j, (ob, fb)) in blocks.enumerate() {
+        let rows = ob.into_outer_iter_mut().zip(fb.into_outer_iter_mut());
+        for (b, (out, fin)) in rows.enumerate() {
+            tasks.push(Task {
+                b,
+                h0: j * heads_per_task,
+                out,
+                fin,
+            });
+        }
+    }
+    tasks
         .into_par_iter()
-        .zip(fin_bh)
-        .enumerate()
-        .for_each(|(bh, (mut o, fin))| {
-            let (b, h) = (bh / d.nheads, bh % d.nheads);
-            let g = d.group_of_head(h);
-            let (hd, ds) = (d.headdim, d.dstate);
-            // st[n * hd + p] = s[p, n]
-            let mut st = vec![T::zero(); ds * hd];
+        .for_each(|task| run_task(p, &flat, task));
+}
+
+/// The inputs as flat row-major slices.
+struct Flat<'a, T> {
+    x: &'a [T],
+    bm: &'a [T],
+    cm: &'a [T],
+    z: Option<&'a [T]>,
+}
+
+/// One row's block of heads `h0..h0 + out.len_of(Axis(1))`, with its parts of the outputs:
+/// `out[b, :, h0.., :]` (`[seqlen, heads, headdim]`) and `final_states[b, h0..]`.
+struct Task<'a, T> {
+    b: usize,
+    h0: usize,
+    out: ArrayViewMut3<'a, T>,
+    fin: ArrayViewMut3<'a, T>,
+}
+
+/// Runs the recurrence for one task, [`TOKENS`] tokens at a time for all of its heads.
+fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
+    let d = *p.dims();
+    let i = p.inputs();
+    let Task {
+        b,
+        h0,
+        mut out,
+        mut fin,
+    } = task;
+    let nh = out.len_of(Axis(1));
+    let (hd, ds) = (d.headdim, d.dstate);
+    let g0 = d.group_of_head(h0);
+    let (x_rs, bc_rs) = (d.nheads * hd, d.ngroups * ds);
+    let x_row = |t: usize| ((b * d.seqlen + t) * d.nheads + h0) * hd;
+    let bc_row = |t: usize| ((b * d.seqlen + t) * d.ngroups + g0) * ds;
+
+    // States, transposed: st[hl][n * hd + p] = s[p, n] of head h0 + hl.
+    let mut st: Vec<Vec<T>> = (0..nh)
+        .map(|hl| {
+            let mut s = vec![T::zero(); ds * hd];
             if let Some(s0) = &i.initial_states {
                 for pp in 0..hd {
                     for n in 0..ds {
-                        st[n * hd + pp] = s0[[b, h, pp, n]];
+                        s[n * hd + pp] = s0[[b, h0 + hl, pp, n]];
                     }
                 }
             }
-            let d_skip: Vec<T> = (0..hd).map(|pp| p.d_skip(h, pp)).collect();
-            let mut u = [vec![T::zero(); hd], vec![T::zero(); hd]];
-            let mut y = [vec![T::zero(); hd], vec![T::zero(); hd]];
-            let mut prev_seq = 0i64;
-            // Token t's decay, and the offsets of its B/C rows and of its x/z/out row.
-            let mut token = |t: usize, u: &mut [T], y: &mut [T]| {
+            s
+        })
+        .collect();
+    let d_skip: Vec<Vec<T>> = (0..nh)
+        .map(|hl| (0..hd).map(|pp| p.d_skip(h0 + hl, pp)).collect())
+        .collect();
+    let mut reset = [false; TOKENS];
+    let mut decay = [T::zero(); TOKENS];
+    let mut u = vec![T::zero(); TOKENS * hd];
+    let mut y = vec![T::zero(); TOKENS * hd];
+    let mut b_blk = vec![T::zero(); TOKENS * ds];
+    let mut c_blk = vec![T::zero(); TOKENS * ds];
+    let mut prev_seq = 0i64;
+    for t0 in (0..d.seqlen).step_by(TOKENS) {
+        let nt = TOKENS.min(d.seqlen - t0);
+        let (t1, nt1) = (t0 + nt, TOKENS.min(d.seqlen - t0 - nt));
+        // A reset (a_t = 0) where seq_idx changes, seq_idx[b, -1] := 0.
+        for (k, r) in reset.iter_mut().enumerate().take(nt) {
+            let seq = p.seq_idx_at(b, t0 + k);
+            *r = seq != prev_seq;
+            prev_seq = seq;
+        }
+        for (hl, st) in st.iter_mut().enumerate() {
+            let h = h0 + hl;
+            let g = d.group_of_head(h) - g0;
+            // Ask for the rows of the next (head, block) in this task's order now (into L2):
+            // they arrive while this head's tiles run.
+            let (hn, tn, ntn) = if hl + 1 < nh {
+                (hl + 1, t0, nt)
+            } else {
+                (0, t1, nt1)
+            };
+            if ntn > 0 {
+                let gn = d.group_of_head(h0 + hn) - g0;
+                let bcn = bc_row(tn) + gn * ds;
+                let xn = x_row(tn) + hn * hd;
+                prefetch::rows(f.bm, bcn, bc_rs, ntn, ds);
+                prefetch::rows(f.cm, bcn, bc_rs, ntn, ds);
+                prefetch::rows(f.x, xn, x_rs, ntn, hd);
+                if let Some(z) = f.z {
+                    prefetch::rows(z, xn, x_rs, ntn, hd);
+                }
+                for t in tn..tn + ntn {
+                    if let Some(row) = out.slice(s![t, hn, ..]).as_slice() {
+                        prefetch::rows(row, 0, 0, 1, hd);
+                    }
+                }
+            }
+            for k in 0..nt {
+                let t = t0 + k;
                 let dt = p.dt_processed(b, t, h);
-                let seq = p.seq_idx_at(b, t);
-                let decay = if seq == prev_seq {
-                    (dt * i.A[h]).exp()
-                } else {
+                decay[k] = if reset[k] {
                     T::zero()
+                } else {
+                    (dt * i.A[h]).exp()
                 };
-                prev_seq = seq;
-                let bc_off = ((b * d.seqlen + t) * d.ngroups + g) * ds;
-                let x_off = ((b * d.seqlen + t) * d.nheads + h) * hd;
-                for ((uv, yv), &xv) in u.iter_mut().zip(y.iter_mut()).zip(&x[x_off..x_off + hd]) {
+                let bc = bc_row(t) + g * ds;
+                b_blk[k * ds..(k + 1) * ds].copy_from_slice(&f.bm[bc..bc + ds]);
+                c_blk[k * ds..(k + 1) * ds].copy_from_slice(&f.cm[bc..bc + ds]);
+                let xo = x_row(t) + hl * hd;
+                for ((uv, yv), &xv) in u[k * hd..(k + 1) * hd]
+                    .iter_mut()
+                    .zip(&mut y[k * hd..(k + 1) * hd])
+                    .zip(&f.x[xo..xo + hd])
+                {
                     *uv = dt * xv;
                     *yv = T::zero();
                 }
-                (decay, bc_off, x_off)
+            }
+            let blk = TimeBlock {
+                decay: &decay[..nt],
+                u: &u[..nt * hd],
+                b: &b_blk[..nt * ds],
+                c: &c_blk[..nt * ds],
+                headdim: hd,
+                dstate: ds,
             };
-            let mut t = 0;
-            while t < d.seqlen {
-                // Two tokens per pass over the state when possible (same arithmetic as two
-                // single steps, half the state traffic).
-                let n_tok = if t + 1 < d.seqlen { 2 } else { 1 };
-                let [u0, u1] = &mut u;
-                let [y0, y1] = &mut y;
-                let (a0, bc0, x0) = token(t, u0, y0);
-                let bc = |off: usize| (&bm[off..off + ds], &cm[off..off + ds]);
-                let (b0, c0) = bc(bc0);
-                let mut offs = [x0, 0];
-                if n_tok == 2 {
-                    let (a1, bc1, x1) = token(t + 1, u1, y1);
-                    let (b1, c1) = bc(bc1);
-                    offs[1] = x1;
-                    update_state_2(&mut st, [u0, u1], [y0, y1], [b0, b1], [c0, c1], [a0, a1]);
-                } else {
-                    update_state(&mut st, u0, y0, b0, c0, a0);
-                }
-                for (k, &x_off) in offs.iter().enumerate().take(n_tok) {
-                    let x_t = &x[x_off..x_off + hd];
-                    let mut row = o.row_mut(t + k);
-                    for (pp, o_tp) in row.iter_mut().enumerate() {
-                        let yv = y[k][pp] + d_skip[pp] * x_t[pp];
-                        *o_tp = match z {
-                            Some(z) => gate(yv, z[x_off + pp]),
-                            None => yv,
-                        };
+            sweep(st, &mut y[..nt * hd], &blk);
+            let d_skip = &d_skip[hl];
+            for k in 0..nt {
+                let t = t0 + k;
+                let xo = x_row(t) + hl * hd;
+                let x_t = &f.x[xo..xo + hd];
+                let y_t = &y[k * hd..(k + 1) * hd];
+                let mut o_t = out.slice_mut(s![t, hl, ..]);
+                let o_t = o_t.as_slice_mut().expect("out rows are contiguous");
+                let terms = o_t.iter_mut().zip(y_t).zip(d_skip).zip(x_t);
+                match f.z {
+                    Some(z) => {
+                        for ((((o, &yv), &dv), &xv), &zv) in terms.zip(&z[xo..xo + hd]) {
+                            *o = gate(yv + dv * xv, zv);
+                        }
+                    }
+                    None => {
+                        for (((o, &yv), &dv), &xv) in terms {
+                            *o = yv + dv * xv;
+                        }
                     }
                 }
-                t += n_tok;
             }
-            for pp in 0..hd {
-                for n in 0..ds {
-                    fin[pp * ds + n] = st[n * hd + pp];
-                }
+        }
+    }
+    for (hl, st) in st.iter().enumerate() {
+        for pp in 0..hd {
+            for n in 0..ds {
+                fin[[hl, pp, n]] = st[n * hd + pp];
             }
-        });
+        }
+    }
 }
 
-/// Two consecutive tokens' updates of a transposed state, fused: for every state element,
-/// `v = a[0] s + B_0[n] u[0]`, `y[0] += v C_0[n]`, then `s = a[1] v + B_1[n] u[1]`,
-/// `y[1] += s C_1[n]`: the arithmetic of two [`update_state`] calls, one pass over memory.
-#[inline]
-fn update_state_2<T: Real>(
+/// Runs one time block's tokens through the whole transposed state `st` (`dstate` rows of
+/// length `headdim`), adding `s_t[p, n] * C_t[n]` into `y[t, p]` for `n = 0, 1, ...` in order.
+///
+/// The state is cut into tiles of [`ROWS`] x [`COLS`] held in registers while every token
+/// of the block passes; tiles are visited row block by row block, so each `y[t, p]` still
+/// receives its terms in increasing `n`: the same operations, in the same order, as updating
+/// the whole state token by token.
+fn sweep<T: Real>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
+    let ds = blk.dstate;
+    let mut n = 0;
+    while n + ROWS <= ds {
+        row_block::<T, ROWS>(st, y, blk, n);
+        n += ROWS;
+    }
+    while n < ds {
+        row_block::<T, 1>(st, y, blk, n);
+        n += 1;
+    }
+}
+
+/// State rows `n..n + R`, in tiles of [`COLS`] columns (single columns at the end).
+#[inline(always)]
+fn row_block<T: Real, const R: usize>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>, n: usize) {
+    let hd = blk.headdim;
+    let mut p = 0;
+    while p + COLS <= hd {
+        tile::<T, R, COLS>(st, y, blk, n, p);
+        p += COLS;
+    }
+    while p < hd {
+        tile::<T, R, 1>(st, y, blk, n, p);
+        p += 1;
+    }
+}
+
+/// One `R x P` tile of the state (rows `n..n + R`, columns `p..p + P`) through every token
+/// `k` of the block, in registers:
+///
+/// ```text
+/// s[r][q] = a_k * s[r][q] + B_k[n + r] * u_k[p + q]
+/// y[k, p + q] += s[r][q] * C_k[n + r]          for r = 0, 1, ... in order
+/// ```
+#[inline(always)]
+fn tile<T: Real, const R: usize, const P: usize>(
     st: &mut [T],
-    u: [&[T]; 2],
-    y: [&mut [T]; 2],
-    b: [&[T]; 2],
-    c: [&[T]; 2],
-    a: [T; 2],
+    y: &mut [T],
+    blk: &TimeBlock<T>,
+    n: usize,
+    p: usize,
 ) {
-    let hd = u[0].len();
-    let [y0, y1] = y;
-    let (u0, u1, y0, y1) = (&u[0][..hd], &u[1][..hd], &mut y0[..hd], &mut y1[..hd]);
-    let ds = b[0].len();
-    let mut rows = st.chunks_exact_mut(hd);
-    let mut n = 0;
-    while n + 2 <= ds {
-        let r0 = &mut rows.next().expect("dstate rows")[..hd];
-        let r1 = &mut rows.next().expect("dstate rows")[..hd];
-        let (b00, b01, b10, b11) = (b[0][n], b[0][n + 1], b[1][n], b[1][n + 1]);
-        let (c00, c01, c10, c11) = (c[0][n], c[0][n + 1], c[1][n], c[1][n + 1]);
-        for p in 0..hd {
-            let v0 = a[0].mul_add(r0[p], b00 * u0[p]);
-            let v1 = a[0].mul_add(r1[p], b01 * u0[p]);
-            y0[p] = v1.mul_add(c01, v0.mul_add(c00, y0[p]));
-            let w0 = a[1].mul_add(v0, b10 * u1[p]);
-            let w1 = a[1].mul_add(v1, b11 * u1[p]);
-            y1[p] = w1.mul_add(c11, w0.mul_add(c10, y1[p]));
-            r0[p] = w0;
-            r1[p] = w1;
-        }
-        n += 2;
+    let (hd, ds) = (blk.headdim, blk.dstate);
+    let mut s = [[T::zero(); P]; R];
+    for (r, s_r) in s.iter_mut().enumerate() {
+        s_r.copy_from_slice(&st[(n + r) * hd + p..(n + r) * hd + p + P]);
     }
-    if let Some(r) = rows.next() {
-        let r = &mut r[..hd];
-        for p in 0..hd {
-            let v = a[0].mul_add(r[p], b[0][n] * u0[p]);
-            y0[p] = v.mul_add(c[0][n], y0[p]);
-            let w = a[1].mul_add(v, b[1][n] * u1[p]);
-            y1[p] = w.mul_add(c[1][n], y1[p]);
-            r[p] = w;
+    for (k, &a) in blk.decay.iter().enumerate() {
+        let off = k * ds + n;
+        let b: &[T; R] = blk.b[off..off + R].try_into().expect("R values");
+        let c: &[T; R] = blk.c[off..off + R].try_into().expect("R values");
+        let u: &[T; P] = blk.u[k * hd + p..k * hd + p + P]
+            .try_into()
+            .expect("P values");
+        let y_k: &mut [T; P] = (&mut y[k * hd + p..k * hd + p + P])
+            .try_into()
+            .expect("P values");
+        let mut acc = *y_k;
+        for r in 0..R {
+            for q in 0..P {
+                let v = a.mul_add(s[r][q], b[r] * u[q]);
+                s[r][q] = v;
+                acc[q] = v.mul_add(c[r], acc[q]);
+            }
         }
+        *y_k = acc;
     }
-}
-
-/// One token's update of a transposed state `st` (`dstate` rows of length `headdim`):
-/// `st[n, :] = a * st[n, :] + B[n] * u` and `y += st[n, :] * C[n]` for `n = 0, 1, ...` in
-/// order, with `u = dt' * x_t`.
-#[inline]
-fn update_state<T: Real>(st: &mut [T], u: &[T], y: &mut [T], b: &[T], c: &[T], a: T) {
-    let hd = u.len();
-    let mut rows = st.chunks_exact_mut(hd);
-    let mut n = 0;
-    while n + 4 <= b.len() {
-        let (r0, r1, r2, r3) = (
-            rows.next().expect("dstate rows"),
-            rows.next().expect("dstate rows"),
-            rows.next().expect("dstate rows"),
-            rows.next().expect("dstate rows"),
-        );
-        let (b0, b1, b2, b3) = (b[n], b[n + 1], b[n + 2], b[n + 3]);
-        let (c0, c1, c2, c3) = (c[n], c[n + 1], c[n + 2], c[n + 3]);
-        for (((((s0, s1), s2), s3), &uv), yv) in r0
-            .iter_mut()
-            .zip(r1.iter_mut())
-            .zip(r2.iter_mut())
-            .zip(r3.iter_mut())
-            .zip(u)
-            .zip(y.iter_mut())
-        {
-            let v0 = a.mul_add(*s0, b0 * uv);
-            let v1 = a.mul_add(*s1, b1 * uv);
-            let v2 = a.mul_add(*s2, b2 * uv);
-            let v3 = a.mul_add(*s3, b3 * uv);
-            *s0 = v0;
-            *s1 = v1;
-            *s2 = v2;
-            *s3 = v3;
-            *yv = v3.mul_add(c3, v2.mul_add(c2, v1.mul_add(c1, v0.mul_add(c0, *yv))));
-        }
-        n += 4;
-    }
-    for (r, (&bn, &cn)) in rows.zip(b[n..].iter().zip(&c[n..])) {
-        for ((sv, &uv), yv) in r.iter_mut().zip(u).zip(y.iter_mut()) {
-            let v = a.mul_add(*sv, bn * uv);
-            *sv = v;
-            *yv = v.mul_add(cn, *yv);
-        }
+    for (r, s_r) in s.iter().enumerate() {
+        st[(n + r) * hd + p..(n + r) * hd + p + P].copy_from_slice(s_r);
     }
 }
