@@ -136,6 +136,23 @@ fn is_fused<T: Real>(p: &Problem<T>, schedule: Schedule) -> bool {
     }
 }
 
+/// One (batch, group) of the fused sweep: its parts of the outputs and its running states.
+struct GroupSweep<'a, T, O> {
+    b: usize,
+    g: usize,
+    /// `out[b, :, heads of g, :]`
+    out: ArrayViewMut3<'a, O>,
+    /// `chunk_states[b, :, heads of g]`
+    states: ArrayViewMut4<'a, O>,
+    /// `final_states[b, heads of g]` (`[hpg, headdim, dstate]`, contiguous)
+    fin: &'a mut [T],
+    /// The transposed states entering the current chunk of the group's heads: `[hpg, dstate,
+    /// headdim]`, the layout the carried term's product reads.
+    run_t: Vec<T>,
+    /// `seq_idx` of the token before the current chunk (0 before the first).
+    seq_prev: i64,
+}
+
 /// Slices in which the fused schedule prefetches the next chunk's rows.
 const PF_STEPS: usize = 6;
 
@@ -234,85 +251,128 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
         .expect("final_states in standard layout")
         .chunks_mut(hpg * n)
         .collect();
-    outs.into_par_iter()
-        .zip(states)
-        .zip(fins)
-        .enumerate()
-        .for_each(|(bg, ((mut o, mut st), fin))| {
-            let (b, g) = (bg / d.ngroups, bg % d.ngroups);
-            // `run_t` holds the transposed states entering the current chunk of the group's
-            // heads: [hpg, dstate, headdim], the layout the carried term's product reads.
-            let mut run_t = vec![T::zero(); hpg * n];
-            if let Some(s0) = &p.inputs().initial_states {
-                for (hh, rt) in run_t.chunks_exact_mut(n).enumerate() {
-                    let s0 = s0.slice(s![b, g * hpg + hh, .., ..]);
-                    rt.iter_mut().zip(s0.t().iter()).for_each(|(r, &v)| *r = v);
-                }
+    // One task per (batch, block of groups): a row's groups are split into as few blocks as
+    // keep every thread busy, so that for each chunk a task reads whole rows of x, B and C and
+    // writes whole rows of out (rows of one group are 1/ngroups of a row, each on another
+    // page at issue 2's shape).
+    let group_blocks = rayon::current_num_threads()
+        .div_ceil(d.batch.max(1))
+        .clamp(1, d.ngroups.max(1));
+    let groups_per_task = d.ngroups.div_ceil(group_blocks).max(1);
+    let mut tasks: Vec<Vec<GroupSweep<T, O>>> = Vec::new();
+    for (bg, ((out, states), fin)) in outs.into_iter().zip(states).zip(fins).enumerate() {
+        let (b, g) = (bg / d.ngroups, bg % d.ngroups);
+        // `run_t` holds the transposed states entering the current chunk of the group's
+        // heads: [hpg, dstate, headdim], the layout the carried term's product reads.
+        let mut run_t = vec![T::zero(); hpg * n];
+        if let Some(s0) = &p.inputs().initial_states {
+            for (hh, rt) in run_t.chunks_exact_mut(n).enumerate() {
+                let s0 = s0.slice(s![b, g * hpg + hh, .., ..]);
+                rt.iter_mut().zip(s0.t().iter()).for_each(|(r, &v)| *r = v);
             }
-            let mut out_sc = OutScratch::default();
-            let mut st_sc = StateScratch::default();
-            let mut local_t = vec![T::zero(); n];
-            let mut seq_prev = 0i64;
-            for c in 0..nc {
+        }
+        let sweep = GroupSweep {
+            b,
+            g,
+            out,
+            states,
+            fin,
+            run_t,
+            seq_prev: 0,
+        };
+        if g % groups_per_task == 0 {
+            tasks.push(Vec::new());
+        }
+        tasks.last_mut().expect("pushed above").push(sweep);
+    }
+    tasks.into_par_iter().for_each(|mut groups| {
+        // Addresses only (for the prefetches of another group's rows; never dereferenced).
+        let rows_at: Vec<(*const O, usize, *const O, usize)> = groups
+            .iter()
+            .map(|gs| {
+                let (o, st) = (&gs.out, &gs.states);
+                (
+                    o.as_ptr(),
+                    o.strides()[0].unsigned_abs(),
+                    st.as_ptr(),
+                    st.strides()[0].unsigned_abs(),
+                )
+            })
+            .collect();
+        let mut out_sc = OutScratch::default();
+        let mut st_sc = StateScratch::default();
+        let mut local_t = vec![T::zero(); n];
+        for c in 0..nc {
+            for gi in 0..groups.len() {
+                // The next (group, chunk) of this task, whose rows are prefetched.
+                let (gn, cn) = if gi + 1 < groups.len() {
+                    (gi + 1, c)
+                } else {
+                    (0, c + 1)
+                };
+                let g_next = groups[gn].g;
+                let GroupSweep {
+                    b,
+                    g,
+                    out: o,
+                    states: st,
+                    fin: _,
+                    run_t,
+                    seq_prev,
+                } = &mut groups[gi];
+                let (b, g) = (*b, *g);
                 let t0 = c * cs;
                 let l = p.chunk_len(c);
-                let (mut st_cur, st_next) = st.view_mut().split_at(Axis(0), c + 1);
-                let mut entering = st_cur.index_axis_mut(Axis(0), c);
+                let mut entering = st.index_axis_mut(Axis(0), c);
                 let entering = entering
                     .as_slice_mut()
                     .expect("the heads of a group are contiguous (standard layout)");
                 for (hh, dst) in entering.chunks_exact_mut(n).enumerate() {
-                    transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
+                    transpose_into((d.dstate, d.headdim), run_t, hh * n, d.headdim, dst);
                 }
-                let (mut o_cur, o_next) = o.view_mut().split_at(Axis(0), t0 + l);
-                // Prefetches of what the next chunk reads (its rows of C, B, x) and writes
-                // (its rows of out, its entering states), in PF_STEPS slices of its rows
-                // issued between this chunk's products: all at once, they queued up behind
-                // the cache's outstanding misses and stalled the core.
+                // Prefetches of what the next (group, chunk) reads (its rows of C, B, x) and
+                // writes (its rows of out, its entering states), in PF_STEPS slices of its
+                // rows issued between this chunk's products: all at once, they queued up
+                // behind the cache's outstanding misses and stalled the core.
                 let mut step = 0;
+                let (o_ptr, o_rs, st_ptr, st_rs) = rows_at[gn];
                 let mut prefetch_step = || {
-                    if c + 1 >= nc || step >= PF_STEPS {
+                    if cn >= nc || step >= PF_STEPS {
                         return;
                     }
-                    let (t1, l1) = (t0 + cs, p.chunk_len(c + 1));
+                    let (t1, l1) = (cn * cs, p.chunk_len(cn));
                     let (r0, r1) = (step * l1 / PF_STEPS, (step + 1) * l1 / PF_STEPS);
                     step += 1;
                     let bc_rs = d.ngroups * d.dstate;
-                    let bc = f.bc_off(b, t1 + r0, g);
+                    let bc = f.bc_off(b, t1 + r0, g_next);
                     prefetch::rows(f.c(), bc, bc_rs, r1 - r0, d.dstate);
                     prefetch::rows(f.b(), bc, bc_rs, r1 - r0, d.dstate);
                     let x_rs = d.nheads * d.headdim;
-                    let xo = f.x_off(b, t1 + r0, g * hpg);
+                    let xo = f.x_off(b, t1 + r0, g_next * hpg);
                     prefetch::rows(f.x(), xo, x_rs, r1 - r0, hpg * d.headdim);
-                    for r in r0..r1 {
-                        let row = o_next.index_axis(Axis(0), r);
-                        if let Some(row) = row.as_slice() {
-                            prefetch::rows(row, 0, 0, 1, row.len());
-                        }
+                    for r in t1 + r0..t1 + r1 {
+                        prefetch::span(o_ptr.wrapping_add(r * o_rs), hpg * d.headdim);
                     }
-                    let next = st_next.index_axis(Axis(0), 0);
-                    if let Some(next) = next.as_slice() {
-                        let (a, e) = (r0 * next.len() / l1, r1 * next.len() / l1);
-                        prefetch::rows(&next[a..e], 0, 0, 1, e - a);
-                    }
+                    let (a, e) = (r0 * hpg * n / l1, r1 * hpg * n / l1);
+                    prefetch::span(st_ptr.wrapping_add(cn * st_rs + a), e - a);
                 };
-                let mut block = o_cur.slice_mut(s![t0.., .., ..]);
+                let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
                 out_block(
                     &f,
                     (b, c, g),
-                    HeadStates::Transposed(&run_t),
+                    HeadStates::Transposed(run_t),
                     &mut block,
                     &mut out_sc,
                     &mut prefetch_step,
                 );
-                let mut seq_new = seq_prev;
+                let mut seq_new = *seq_prev;
                 for (hh, run_h) in run_t.chunks_exact_mut(n).enumerate() {
                     let h = g * hpg + hh;
                     // x_c as out_block left it for this head
                     let x_c = &out_sc.x_copy[hh * l * d.headdim..(hh + 1) * l * d.headdim];
                     let b_t = &out_sc.b_t[..d.dstate * l];
                     local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, &mut local_t);
-                    let (scale, seq) = pass_scale(&f, (b, h, c), seq_prev);
+                    let (scale, seq) = pass_scale(&f, (b, h, c), *seq_prev);
                     seq_new = seq;
                     prefetch_step();
                     for (r, &own) in run_h.iter_mut().zip(&local_t) {
@@ -322,10 +382,13 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                 for _ in 0..PF_STEPS {
                     prefetch_step();
                 }
-                seq_prev = seq_new;
+                *seq_prev = seq_new;
             }
-            for (hh, dst) in fin.chunks_exact_mut(n).enumerate() {
-                transpose_into((d.dstate, d.headdim), &run_t, hh * n, d.headdim, dst);
+        }
+        for gs in groups {
+            for (hh, dst) in gs.fin.chunks_exact_mut(n).enumerate() {
+                transpose_into((d.dstate, d.headdim), &gs.run_t, hh * n, d.headdim, dst);
             }
-        });
+        }
+    });
 }

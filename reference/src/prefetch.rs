@@ -22,6 +22,17 @@ pub(crate) fn rows<T>(data: &[T], off: usize, rs: usize, nrows: usize, len: usiz
     }
 }
 
+/// Prefetches (into L2) the lines of `len` entries from `start`: an address only, never
+/// dereferenced (a prefetch cannot fault), so it may point into memory that something else
+/// holds mutably.
+pub(crate) fn span<T>(start: *const T, len: usize) {
+    const LINE: usize = 64;
+    let per_line = (LINE / std::mem::size_of::<T>().max(1)).max(1);
+    for k in (0..len).step_by(per_line) {
+        line_at(start.wrapping_add(k));
+    }
+}
+
 /// Prefetches the cache line holding `v` into L2.
 #[inline(always)]
 fn line<T>(v: &T) {
@@ -36,4 +47,18 @@ fn line<T>(v: &T) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = v;
+}
+
+/// Prefetches the cache line holding the address `p` into L2 (not dereferenced).
+#[inline(always)]
+fn line_at<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: as in `line`; a prefetch of any address is a hint that neither reads into
+        // the program nor faults, so `p` need not be valid.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>()) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
