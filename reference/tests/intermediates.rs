@@ -255,4 +255,21 @@ fn results_do_not_depend_on_the_thread_count() {
     assert_eq!(c1.out, c3.out);
     assert_eq!(c1.chunk_states, c3.chunk_states);
     assert_eq!(c1.final_states, c3.final_states);
+    // Both paths split a row's heads (groups) into blocks by the thread count: one block of
+    // 4 heads (2 groups) per row on 1 thread, blocks of 2 heads (1 group) on 4.
+    let four = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    let fused = |pool: &rayon::ThreadPool| {
+        pool.install(|| chunked::forward_with(&p, MatmulPrecision::Native, Schedule::Fused))
+    };
+    let (f1, f4) = (fused(&one), fused(&four));
+    let n4 = four.install(|| naive::forward(&p));
+    assert_eq!(n1.out, n4.out);
+    assert_eq!(n1.final_states, n4.final_states);
+    assert_eq!(f1.out, f4.out);
+    assert_eq!(f1.chunk_states, f4.chunk_states);
+    assert_eq!(f1.final_states, f4.final_states);
+    assert_eq!(f1.out, c1.out);
 }
