@@ -341,6 +341,8 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
     seq.clear();
     seq.extend((t0..t0 + l).map(|t| p.seq_idx_at(b, t)));
     let seq_prev = if c == 0 { 0 } else { p.seq_idx_at(b, t0 - 1) };
+    // Whether the chunk lies in one sequence (always, without seq_idx).
+    let one_seq = seq.iter().all(|&sq| sq == seq[0]);
     // Contiguous (rounded) copies of the operands: C_c (L x dstate), B_c^T (dstate x L), and
     // per head S_c^T and x_c. In place, rows nheads * headdim or ngroups * dstate apart would
     // compete for the same cache sets.
@@ -435,12 +437,20 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
                 *lv = cum[r] - ck;
             }
             T::exp_all(lrow);
-            for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter()) {
-                *lv = if sk == seq[r] {
-                    gv * *lv * dk
-                } else {
-                    T::zero()
-                };
+            if one_seq {
+                // The same products without the per-entry test, which kept LLVM from
+                // vectorising the loop.
+                for ((lv, &gv), &dk) in lrow.iter_mut().zip(grow).zip(dt) {
+                    *lv = gv * *lv * dk;
+                }
+            } else {
+                for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter()) {
+                    *lv = if sk == seq[r] {
+                        gv * *lv * dk
+                    } else {
+                        T::zero()
+                    };
+                }
             }
             if tf32 {
                 round_all(lrow);
@@ -469,7 +479,13 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         let mut o = block.index_axis_mut(Axis(1), hh);
         for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate() {
             let off = x_off + r * x_rs;
-            let x_row = &x_flat[off..off + hd];
+            // x_c's row from the chunk's contiguous copy (in cache), unless that copy was
+            // rounded to TF32: the D term takes x itself.
+            let x_row = if tf32 {
+                &x_flat[off..off + hd]
+            } else {
+                &x_copy[r * hd..(r + 1) * hd]
+            };
             let orow = orow.as_slice_mut().expect("rows of out are contiguous");
             let skip = yrow.iter().zip(d_skip.iter()).zip(x_row);
             match f.z() {
