@@ -348,22 +348,28 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
     // compete for the same cache sets.
     let bc_off = f.bc_off(b, t0, g);
     let bc_rs = d.ngroups * ds;
-    let c_copy = scratch(&mut sc.c_copy, l * ds);
-    for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
-        dst.copy_from_slice(&f.c()[bc_off + j * bc_rs..][..ds]);
-    }
     let b_t = scratch(&mut sc.b_t, ds * l);
     transpose_into((l, ds), f.b(), bc_off, bc_rs, b_t);
-    let b_t: &[T] = if tf32 {
+    let (c_c, b_t): (Mat<T>, &[T]) = if tf32 {
+        let c_copy = scratch(&mut sc.c_copy, l * ds);
+        for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
+            dst.copy_from_slice(&f.c()[bc_off + j * bc_rs..][..ds]);
+        }
         round_all(c_copy);
         let b_t_r = scratch(&mut sc.b_t_r, ds * l);
         b_t_r.copy_from_slice(b_t);
         round_all(b_t_r);
-        b_t_r
+        (Mat::rows(c_copy, ds), b_t_r)
     } else {
-        b_t
+        // C_c in place: the products read it as their `a` operand, four rows at a time.
+        let c_c = Mat {
+            data: f.c(),
+            off: bc_off,
+            rs: bc_rs,
+            cs: 1,
+        };
+        (c_c, b_t)
     };
-    let c_c = Mat::rows(c_copy, ds);
     // G = C_c B_c^T, on and below the diagonal (the rest is never read).
     let gm = scratch(&mut sc.gm, l * l);
     gemm(
