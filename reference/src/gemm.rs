@@ -5,8 +5,9 @@
 //! dstate)` and sit in cache; a general-purpose GEMM spends as much time re-packing such
 //! operands as multiplying them. This one reads them in place: it walks `c` in register tiles
 //! of 4 rows by three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
-//! accumulators), then two vectors, then one vector, broadcasting `a[i, k]` and loading `b[k, j..j + NR]`, which
-//! LLVM compiles to FMA vector code.
+//! accumulators), then two vectors, then one vector, broadcasting `a[i, k]` and loading
+//! `b[k, j..j + NR]`: AVX2 + FMA intrinsics where the build has them (the default here,
+//! `.cargo/config.toml`), a generic loop otherwise.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
 //! increasing `k`, starting from 0; with `accumulate`, that sum is then added to the old
@@ -131,9 +132,11 @@ fn tiles<T: Real, const MR: usize, const NR: usize, const NRM: usize, const NR2:
     }
 }
 
-/// One full `MR x NR` tile of `c` at `(i0, j0)`, summing `k` from 0 to `k_end`.
-// Written with index loops over a local fixed-size accumulator that nothing else touches: the
-// shape in which LLVM's SLP vectoriser keeps the accumulators in vector registers.
+/// One full `MR x NR` tile of `c` at `(i0, j0)`, summing `k` from 0 to `k_end`: in AVX2
+/// intrinsics where the build has AVX2 and FMA ([`simd`]), otherwise the loop below.
+// The loop is written with index loops over a local fixed-size accumulator that nothing else
+// touches: the shape in which LLVM's SLP vectoriser usually keeps the accumulators in vector
+// registers (not always: a variant with a second loop kept f32's in scalar stack slots).
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
 fn full_tile<T: Real, const MR: usize, const NR: usize>(
@@ -144,33 +147,22 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
     ldc: usize,
     accumulate: bool,
 ) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if MR == 4 && k_end > 0 && simd::full_tile((i0, j0, k_end), a, b, c, ldc, accumulate, NR) {
+        return;
+    }
     let mut acc = [[T::zero(); NR]; MR];
-    if a.cs == 1 {
-        // Rows of `a` sliced to exactly `k_end` entries: their indexing below needs no checks,
-        // which had been a quarter of the loop's instructions.
-        let a_rows: [&[T]; MR] = std::array::from_fn(|r| {
-            let start = a.off + (i0 + r) * a.rs;
-            &a.data[start..start + k_end]
-        });
-        for kk in 0..k_end {
-            let bo = b.off + kk * b.rs + j0;
-            let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
-            for r in 0..MR {
-                let av = a_rows[r][kk];
-                for q in 0..NR {
-                    acc[r][q] = av.mul_add(brow[q], acc[r][q]);
-                }
-            }
-        }
-    } else {
-        for kk in 0..k_end {
-            let bo = b.off + kk * b.rs + j0;
-            let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
-            for r in 0..MR {
-                let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
-                for q in 0..NR {
-                    acc[r][q] = av.mul_add(brow[q], acc[r][q]);
-                }
+    for kk in 0..k_end {
+        let bo = b.off + kk * b.rs + j0;
+        let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
+        for r in 0..MR {
+            let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+            for q in 0..NR {
+                acc[r][q] = av.mul_add(brow[q], acc[r][q]);
             }
         }
     }
@@ -183,6 +175,170 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
             } else {
                 acc[r][q]
             };
+        }
+    }
+}
+
+/// The full tiles in AVX2 + FMA intrinsics, for f64 and f32: the same fused multiply-adds in
+/// the same order as the generic loop (so the same bits), with the accumulators in registers
+/// and no bounds checks inside the `k` loop (one check of the tile's extent before it). The
+/// generic loop relies on LLVM's SLP vectoriser, which kept some instances' accumulators in
+/// scalar stack slots, and checks every index of `a`.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod simd {
+    use super::Mat;
+    use crate::Real;
+    use std::any::TypeId;
+    use std::arch::x86_64::{
+        __m256, __m256d, _mm256_add_pd, _mm256_add_ps, _mm256_broadcast_sd, _mm256_broadcast_ss,
+        _mm256_fmadd_pd, _mm256_fmadd_ps, _mm256_loadu_pd, _mm256_loadu_ps, _mm256_setzero_pd,
+        _mm256_setzero_ps, _mm256_storeu_pd, _mm256_storeu_ps,
+    };
+
+    /// The `4 x nr` tile of `c` at `(i0, j0)` (see [`super::full_tile`]) when `T` is f64 or f32
+    /// and `nr` is 1, 2 or 3 vectors; returns false (nothing done) otherwise.
+    ///
+    /// # Panics
+    /// If an operand is too short for the tile.
+    pub(super) fn full_tile<T: Real>(
+        (i0, j0, k_end): (usize, usize, usize),
+        a: Mat<'_, T>,
+        b: Mat<'_, T>,
+        c: &mut [T],
+        ldc: usize,
+        accumulate: bool,
+        nr: usize,
+    ) -> bool {
+        let lanes = if TypeId::of::<T>() == TypeId::of::<f64>() {
+            4
+        } else if TypeId::of::<T>() == TypeId::of::<f32>() {
+            8
+        } else {
+            return false;
+        };
+        let nv = nr / lanes;
+        if !nr.is_multiple_of(lanes) || !(1..=3).contains(&nv) {
+            return false;
+        }
+        // The extent of every read and write below, checked once.
+        let a_last = a.off + (i0 + 3) * a.rs + (k_end - 1) * a.cs;
+        assert!(a_last < a.data.len(), "a too short for the tile");
+        assert!(
+            b.off + (k_end - 1) * b.rs + j0 + nr <= b.data.len(),
+            "b too short"
+        );
+        assert!((i0 + 3) * ldc + j0 + nr <= c.len(), "c too short");
+        let a_p = a.data[a.off + i0 * a.rs..].as_ptr();
+        let b_p = b.data[b.off + j0..].as_ptr();
+        let c_p = c[i0 * ldc + j0..].as_mut_ptr();
+        let g = Geometry {
+            a_rs: a.rs,
+            a_cs: a.cs,
+            b_rs: b.rs,
+            ldc,
+            k_end,
+            accumulate,
+        };
+        // SAFETY: `T` is the type named by `lanes` (checked above), so the casts keep the
+        // element type; every offset the kernels form lies within the extents asserted above
+        // (rows i0..i0 + 4 of a up to column k_end - 1, rows 0..k_end of b and 4 rows of c over
+        // nr = nv * lanes columns). AVX2 and FMA are enabled at compile time.
+        unsafe {
+            match (lanes, nv) {
+                (4, 1) => tile_f64::<1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (4, 2) => tile_f64::<2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (4, 3) => tile_f64::<3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (8, 1) => tile_f32::<1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (8, 2) => tile_f32::<2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                _ => tile_f32::<3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+            }
+        }
+        true
+    }
+
+    struct Geometry {
+        a_rs: usize,
+        a_cs: usize,
+        b_rs: usize,
+        ldc: usize,
+        k_end: usize,
+        accumulate: bool,
+    }
+
+    /// `c[r, 4v..4v + 4] (+)= sum_k a[r, k] b[k, 4v..4v + 4]` for `r < 4`, `v < NV`.
+    ///
+    /// # Safety
+    /// The offsets `r * a_rs + k * a_cs` of `a`, `k * b_rs + 4 * NV` of `b` and `r * ldc +
+    /// 4 * NV` of `c` (`r < 4`, `k < k_end`) must be in bounds.
+    #[inline]
+    unsafe fn tile_f64<const NV: usize>(a: *const f64, b: *const f64, c: *mut f64, g: &Geometry) {
+        // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
+        unsafe {
+            let mut acc: [[__m256d; NV]; 4] = [[_mm256_setzero_pd(); NV]; 4];
+            for kk in 0..g.k_end {
+                let bp = b.add(kk * g.b_rs);
+                let mut bv: [__m256d; NV] = [_mm256_setzero_pd(); NV];
+                for (v, bvv) in bv.iter_mut().enumerate() {
+                    *bvv = _mm256_loadu_pd(bp.add(4 * v));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = _mm256_broadcast_sd(&*a.add(r * g.a_rs + kk * g.a_cs));
+                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
+                        *acc_rv = _mm256_fmadd_pd(av, bvv, *acc_rv);
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (v, &acc_rv) in acc_r.iter().enumerate() {
+                    let cp = c.add(r * g.ldc + 4 * v);
+                    let val = if g.accumulate {
+                        _mm256_add_pd(_mm256_loadu_pd(cp), acc_rv)
+                    } else {
+                        acc_rv
+                    };
+                    _mm256_storeu_pd(cp, val);
+                }
+            }
+        }
+    }
+
+    /// [`tile_f64`] for f32 (8 lanes).
+    ///
+    /// # Safety
+    /// As [`tile_f64`], with `8 * NV` columns.
+    #[inline]
+    unsafe fn tile_f32<const NV: usize>(a: *const f32, b: *const f32, c: *mut f32, g: &Geometry) {
+        // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
+        unsafe {
+            let mut acc: [[__m256; NV]; 4] = [[_mm256_setzero_ps(); NV]; 4];
+            for kk in 0..g.k_end {
+                let bp = b.add(kk * g.b_rs);
+                let mut bv: [__m256; NV] = [_mm256_setzero_ps(); NV];
+                for (v, bvv) in bv.iter_mut().enumerate() {
+                    *bvv = _mm256_loadu_ps(bp.add(8 * v));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = _mm256_broadcast_ss(&*a.add(r * g.a_rs + kk * g.a_cs));
+                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
+                        *acc_rv = _mm256_fmadd_ps(av, bvv, *acc_rv);
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (v, &acc_rv) in acc_r.iter().enumerate() {
+                    let cp = c.add(r * g.ldc + 8 * v);
+                    let val = if g.accumulate {
+                        _mm256_add_ps(_mm256_loadu_ps(cp), acc_rv)
+                    } else {
+                        acc_rv
+                    };
+                    _mm256_storeu_ps(cp, val);
+                }
+            }
         }
     }
 }
