@@ -214,9 +214,9 @@ mod simd {
         nr: usize,
     ) -> bool {
         let lanes = if TypeId::of::<T>() == TypeId::of::<f64>() {
-            4
+            <__m256d as Vector>::LANES
         } else if TypeId::of::<T>() == TypeId::of::<f32>() {
-            8
+            <__m256 as Vector>::LANES
         } else {
             return false;
         };
@@ -243,18 +243,19 @@ mod simd {
             k_end,
             accumulate,
         };
-        // SAFETY: `T` is the type named by `lanes` (checked above), so the casts keep the
-        // element type; every offset the kernels form lies within the extents asserted above
-        // (rows i0..i0 + 4 of a up to column k_end - 1, rows 0..k_end of b and 4 rows of c over
-        // nr = nv * lanes columns). AVX2 and FMA are enabled at compile time.
+        // SAFETY: `T` is the element type of the vector chosen (by `lanes`, checked above), so
+        // the casts keep the element type; every offset the kernel forms lies within the
+        // extents asserted above (rows i0..i0 + 4 of a up to column k_end - 1, rows 0..k_end
+        // of b and 4 rows of c over nr = nv * lanes columns). AVX2 and FMA are enabled at
+        // compile time.
         unsafe {
             match (lanes, nv) {
-                (4, 1) => tile_f64::<1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (4, 2) => tile_f64::<2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (4, 3) => tile_f64::<3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (8, 1) => tile_f32::<1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (8, 2) => tile_f32::<2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                _ => tile_f32::<3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (4, 1) => tile::<__m256d, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (4, 2) => tile::<__m256d, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (4, 3) => tile::<__m256d, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (8, 1) => tile::<__m256, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (8, 2) => tile::<__m256, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                _ => tile::<__m256, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
             }
         }
         true
@@ -269,74 +270,118 @@ mod simd {
         accumulate: bool,
     }
 
-    /// `c[r, 4v..4v + 4] (+)= sum_k a[r, k] b[k, 4v..4v + 4]` for `r < 4`, `v < NV`.
+    /// An AVX2 vector of f64 or f32 and the five operations the tile needs.
     ///
     /// # Safety
-    /// The offsets `r * a_rs + k * a_cs` of `a`, `k * b_rs + 4 * NV` of `b` and `r * ldc +
-    /// 4 * NV` of `c` (`r < 4`, `k < k_end`) must be in bounds.
-    #[inline]
-    unsafe fn tile_f64<const NV: usize>(a: *const f64, b: *const f64, c: *mut f64, g: &Geometry) {
-        // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
-        unsafe {
-            let mut acc: [[__m256d; NV]; 4] = [[_mm256_setzero_pd(); NV]; 4];
-            for kk in 0..g.k_end {
-                let bp = b.add(kk * g.b_rs);
-                let mut bv: [__m256d; NV] = [_mm256_setzero_pd(); NV];
-                for (v, bvv) in bv.iter_mut().enumerate() {
-                    *bvv = _mm256_loadu_pd(bp.add(4 * v));
-                }
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = _mm256_broadcast_sd(&*a.add(r * g.a_rs + kk * g.a_cs));
-                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
-                        *acc_rv = _mm256_fmadd_pd(av, bvv, *acc_rv);
-                    }
-                }
-            }
-            for (r, acc_r) in acc.iter().enumerate() {
-                for (v, &acc_rv) in acc_r.iter().enumerate() {
-                    let cp = c.add(r * g.ldc + 4 * v);
-                    let val = if g.accumulate {
-                        _mm256_add_pd(_mm256_loadu_pd(cp), acc_rv)
-                    } else {
-                        acc_rv
-                    };
-                    _mm256_storeu_pd(cp, val);
-                }
-            }
-        }
+    /// The pointer arguments must be valid for `LANES` elements (one for `splat`).
+    trait Vector: Copy {
+        type Elem;
+        const LANES: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn load(p: *const Self::Elem) -> Self;
+        unsafe fn splat(p: *const Self::Elem) -> Self;
+        /// `a b + c`, rounded once.
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
+        unsafe fn store(p: *mut Self::Elem, v: Self);
     }
 
-    /// [`tile_f64`] for f32 (8 lanes).
+    macro_rules! vector {
+        ($v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident, $fmadd:ident,
+         $add:ident, $store:ident) => {
+            impl Vector for $v {
+                type Elem = $e;
+                const LANES: usize = $lanes;
+                // SAFETY (all six): AVX2 and FMA are enabled at compile time; the caller
+                // passes pointers valid for the lanes read or written.
+                #[inline(always)]
+                unsafe fn zero() -> Self {
+                    unsafe { $zero() }
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const $e) -> Self {
+                    unsafe { $load(p) }
+                }
+                #[inline(always)]
+                unsafe fn splat(p: *const $e) -> Self {
+                    unsafe { $splat(&*p) }
+                }
+                #[inline(always)]
+                unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+                    unsafe { $fmadd(a, b, c) }
+                }
+                #[inline(always)]
+                unsafe fn add(a: Self, b: Self) -> Self {
+                    unsafe { $add(a, b) }
+                }
+                #[inline(always)]
+                unsafe fn store(p: *mut $e, v: Self) {
+                    unsafe { $store(p, v) }
+                }
+            }
+        };
+    }
+    vector!(
+        __m256d,
+        f64,
+        4,
+        _mm256_setzero_pd,
+        _mm256_loadu_pd,
+        _mm256_broadcast_sd,
+        _mm256_fmadd_pd,
+        _mm256_add_pd,
+        _mm256_storeu_pd
+    );
+    vector!(
+        __m256,
+        f32,
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_broadcast_ss,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_storeu_ps
+    );
+
+    /// `c[r, j..j + LANES NV] (+)= sum_k a[r, k] b[k, j..]` for `r < 4`: one fused
+    /// multiply-add per `k`, in increasing `k`, then (with `accumulate`) one add.
     ///
     /// # Safety
-    /// As [`tile_f64`], with `8 * NV` columns.
+    /// The offsets `r * a_rs + k * a_cs` of `a`, `k * b_rs + LANES NV` of `b` and `r * ldc +
+    /// LANES NV` of `c` (`r < 4`, `k < k_end`) must be in bounds.
     #[inline]
-    unsafe fn tile_f32<const NV: usize>(a: *const f32, b: *const f32, c: *mut f32, g: &Geometry) {
+    unsafe fn tile<V: Vector, const NV: usize>(
+        a: *const V::Elem,
+        b: *const V::Elem,
+        c: *mut V::Elem,
+        g: &Geometry,
+    ) {
         // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
         unsafe {
-            let mut acc: [[__m256; NV]; 4] = [[_mm256_setzero_ps(); NV]; 4];
+            let mut acc: [[V; NV]; 4] = [[V::zero(); NV]; 4];
             for kk in 0..g.k_end {
                 let bp = b.add(kk * g.b_rs);
-                let mut bv: [__m256; NV] = [_mm256_setzero_ps(); NV];
+                let mut bv: [V; NV] = [V::zero(); NV];
                 for (v, bvv) in bv.iter_mut().enumerate() {
-                    *bvv = _mm256_loadu_ps(bp.add(8 * v));
+                    *bvv = V::load(bp.add(V::LANES * v));
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = _mm256_broadcast_ss(&*a.add(r * g.a_rs + kk * g.a_cs));
+                    let av = V::splat(a.add(r * g.a_rs + kk * g.a_cs));
                     for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
-                        *acc_rv = _mm256_fmadd_ps(av, bvv, *acc_rv);
+                        *acc_rv = V::fmadd(av, bvv, *acc_rv);
                     }
                 }
             }
             for (r, acc_r) in acc.iter().enumerate() {
                 for (v, &acc_rv) in acc_r.iter().enumerate() {
-                    let cp = c.add(r * g.ldc + 8 * v);
+                    let cp = c.add(r * g.ldc + V::LANES * v);
                     let val = if g.accumulate {
-                        _mm256_add_ps(_mm256_loadu_ps(cp), acc_rv)
+                        V::add(V::load(cp), acc_rv)
                     } else {
                         acc_rv
                     };
-                    _mm256_storeu_ps(cp, val);
+                    V::store(cp, val);
                 }
             }
         }
