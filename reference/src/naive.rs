@@ -24,7 +24,7 @@
 //! operations in the same order as token-by-token updates of the whole state.
 //!
 //! Parallel over (batch, block of heads): a task reads whole rows of `x`, `B`, `C` and `out`; no allocation per token.
-use ndarray::{s, Array4, ArrayViewMut3, Axis};
+use ndarray::{Array4, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
 use crate::prefetch;
@@ -117,22 +117,34 @@ fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
         .clamp(1, d.nheads.max(1));
     let heads_per_task = d.nheads.div_ceil(head_blocks).max(1);
 
-    // One task per (b, head block): out[b, :, h0..h1, :] and final_states[b, h0..h1].
-    let mut tasks: Vec<Task<T>> = Vec::new();
-    let blocks = out
-        .axis_chunks_iter_mut(Axis(2), heads_per_task)
-        .zip(final_states.axis_chunks_iter_mut(Axis(1), heads_per_task));
-    for (j, (ob, fb)) in blocks.enumerate() {
-        let rows = ob.into_outer_iter_mut().zip(fb.into_outer_iter_mut());
-        for (b, (out, fin)) in rows.enumerate() {
-            tasks.push(Task {
-                b,
-                h0: j * heads_per_task,
-                out,
-                fin,
-            });
+    // One task per (b, head block j): the pieces out[b, t, h0..h1, :] of every row t (each
+    // contiguous; as slices, so that writing a row costs no view arithmetic) and
+    // final_states[b, h0..h1]. Tasks are ordered j-major, as the final_states blocks.
+    let n_blocks = d.nheads.div_ceil(heads_per_task);
+    let mut rows: Vec<Vec<&mut [T]>> = (0..n_blocks * d.batch)
+        .map(|_| Vec::with_capacity(d.seqlen))
+        .collect();
+    let out_flat = out.as_slice_mut().expect("out in standard layout");
+    for (bt, row) in out_flat.chunks_mut(d.nheads * d.headdim).enumerate() {
+        let b = bt / d.seqlen;
+        for (j, piece) in row.chunks_mut(heads_per_task * d.headdim).enumerate() {
+            rows[j * d.batch + b].push(piece);
         }
     }
+    let fins = final_states
+        .axis_chunks_iter_mut(Axis(1), heads_per_task)
+        .flat_map(|fb| fb.into_outer_iter_mut());
+    let tasks: Vec<Task<T>> = rows
+        .into_iter()
+        .zip(fins)
+        .enumerate()
+        .map(|(jb, (out, fin))| Task {
+            b: jb % d.batch,
+            h0: jb / d.batch * heads_per_task,
+            out,
+            fin,
+        })
+        .collect();
     tasks
         .into_par_iter()
         .for_each(|task| run_task(p, &flat, task));
@@ -146,12 +158,13 @@ struct Flat<'a, T> {
     z: Option<&'a [T]>,
 }
 
-/// One row's block of heads `h0..h0 + out.len_of(Axis(1))`, with its parts of the outputs:
-/// `out[b, :, h0.., :]` (`[seqlen, heads, headdim]`) and `final_states[b, h0..]`.
+/// One row's block of heads `h0..h0 + fin.len_of(Axis(0))`, with its parts of the outputs:
+/// `out[t]` is `out[b, t, h0.., :]` (`heads x headdim`, row-major) and `fin` is
+/// `final_states[b, h0..]`.
 struct Task<'a, T> {
     b: usize,
     h0: usize,
-    out: ArrayViewMut3<'a, T>,
+    out: Vec<&'a mut [T]>,
     fin: ArrayViewMut3<'a, T>,
 }
 
@@ -165,7 +178,7 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
         mut out,
         mut fin,
     } = task;
-    let nh = out.len_of(Axis(1));
+    let nh = fin.len_of(Axis(0));
     let (hd, ds) = (d.headdim, d.dstate);
     let g0 = d.group_of_head(h0);
     let (x_rs, bc_rs) = (d.nheads * hd, d.ngroups * ds);
@@ -225,10 +238,8 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
                 if let Some(z) = f.z {
                     prefetch::rows(z, xn, x_rs, ntn, hd);
                 }
-                for t in tn..tn + ntn {
-                    if let Some(row) = out.slice(s![t, hn, ..]).as_slice() {
-                        prefetch::rows(row, 0, 0, 1, hd);
-                    }
+                for row in &out[tn..tn + ntn] {
+                    prefetch::rows(row, hn * hd, 0, 1, hd);
                 }
             }
             for k in 0..nt {
@@ -267,8 +278,7 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
                 let xo = x_row(t) + hl * hd;
                 let x_t = &f.x[xo..xo + hd];
                 let y_t = &y[k * hd..(k + 1) * hd];
-                let mut o_t = out.slice_mut(s![t, hl, ..]);
-                let o_t = o_t.as_slice_mut().expect("out rows are contiguous");
+                let o_t = &mut out[t][hl * hd..(hl + 1) * hd];
                 let terms = o_t.iter_mut().zip(y_t).zip(d_skip).zip(x_t);
                 match f.z {
                     Some(z) => {
