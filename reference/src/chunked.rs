@@ -11,9 +11,10 @@
 //!
 //! Two schedules run the same arithmetic and give bit-identical results ([`Schedule`]):
 //! `Staged` runs each stage over the whole problem in turn, parallel over (batch, chunk, head);
-//! `Fused` sweeps the chunks of one (batch, group) in order, doing stage 2 and stage 3 of a
-//! chunk while its data is in cache, parallel over (batch, group). The second moves about a
-//! third of the memory traffic of the first.
+//! `Fused` sweeps the chunks of each (batch, group) in order, doing stage 2 and stage 3 of a
+//! chunk while its data is in cache, parallel over (batch, block of groups): a task takes a
+//! row's groups chunk by chunk, so that it reads whole rows of the inputs. The second moves
+//! about a third of the memory traffic of the first.
 use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, ArrayViewMut5, Axis};
 use rayon::prelude::*;
 
@@ -30,8 +31,9 @@ pub enum Schedule {
     /// [`fwd_pass_state`] then [`compute_out`]: the stage functions, each parallel over
     /// (batch, chunk, head or group).
     Staged,
-    /// For each (batch, group), in parallel: for each chunk in order, store the entering state,
-    /// compute the output block, then the chunk state of every head and the state update.
+    /// For each (batch, group), chunk by chunk in order: store the entering state, compute the
+    /// output block, then the chunk state of every head and the state update. In parallel
+    /// over (batch, block of groups), each task going through its groups chunk by chunk.
     Fused,
     /// `Fused` when there are at least two (batch, group) pairs per thread of rayon's pool,
     /// `Staged` otherwise.
