@@ -253,14 +253,11 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
         .expect("final_states in standard layout")
         .chunks_mut(hpg * n)
         .collect();
-    // One task per (batch, block of groups): a row's groups are split into as few blocks as
-    // keep every thread busy, so that for each chunk a task reads whole rows of x, B and C and
-    // writes whole rows of out (rows of one group are 1/ngroups of a row, each on another
-    // page at issue 2's shape).
-    let group_blocks = rayon::current_num_threads()
-        .div_ceil(d.batch.max(1))
-        .clamp(1, d.ngroups.max(1));
-    let groups_per_task = d.ngroups.div_ceil(group_blocks).max(1);
+    // One task per (batch, block of groups): a row's groups are split into as few equal blocks
+    // as give every thread the same work (`units_per_task`), so that for each chunk a task
+    // reads whole rows (or large parts) of x, B and C and writes those of out (the rows of one
+    // group are 1/ngroups of a row, each on another page at issue 2's shape).
+    let groups_per_task = crate::units_per_task(d.batch, d.ngroups, rayon::current_num_threads());
     let mut tasks: Vec<Vec<GroupSweep<T, O>>> = Vec::new();
     for (bg, ((out, states), fin)) in outs.into_iter().zip(states).zip(fins).enumerate() {
         let (b, g) = (bg / d.ngroups, bg % d.ngroups);

@@ -147,3 +147,42 @@ pub(crate) fn par_zeros<T: Real, D: ndarray::Dimension, Sh: ndarray::ShapeBuilde
 
 /// Shape helper for `[batch, nchunks, nheads, headdim, dstate]` tensors.
 pub type ChunkStates<T> = Array5<T>;
+
+/// How many of a row's `units` (heads, or groups) one task takes, when the work is split into
+/// tasks of (row, block of units): the largest block (whole rows read contiguously, which is
+/// what the blocks are for) that still gives every one of `threads` threads the same number of
+/// equal tasks. That is the smallest block count `k >= threads / batch` with `k` dividing
+/// `units` and `batch * k` a multiple of `threads`; one unit per task when there is none.
+///
+/// `batch = 2, units = 8` on 2 threads: whole rows; `batch = 3`: half rows (6 tasks, 3 per
+/// thread, where whole rows would leave one thread with twice the other's work).
+pub(crate) fn units_per_task(batch: usize, units: usize, threads: usize) -> usize {
+    let (batch, units, threads) = (batch.max(1), units.max(1), threads.max(1));
+    (threads.div_ceil(batch)..=units)
+        .find(|&k| units % k == 0 && (batch * k) % threads == 0)
+        .map_or(1, |k| units / k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::units_per_task;
+
+    #[test]
+    fn units_per_task_balances_the_threads() {
+        assert_eq!(units_per_task(2, 8, 2), 8); // whole rows, one per thread
+        assert_eq!(units_per_task(3, 8, 2), 4); // half rows: 6 tasks
+        assert_eq!(units_per_task(1, 8, 2), 4);
+        assert_eq!(units_per_task(1, 3, 2), 1); // no even split: one head per task
+        assert_eq!(units_per_task(8, 8, 2), 8);
+        assert_eq!(units_per_task(1, 1, 4), 1);
+        assert_eq!(units_per_task(2, 24, 16), 3); // 16 tasks of 3
+        for batch in 1..6 {
+            for units in 1..12 {
+                for threads in 1..9 {
+                    let k = units_per_task(batch, units, threads);
+                    assert!(k >= 1 && units % k == 0, "{batch} {units} {threads} -> {k}");
+                }
+            }
+        }
+    }
+}

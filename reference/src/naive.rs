@@ -90,9 +90,9 @@ struct TimeBlock<'a, T> {
 /// The recurrence, writing every entry of `dst.out` and `dst.final_states` (shapes as `p`
 /// implies, standard layout).
 ///
-/// One task per (row, block of heads): a row's heads are split into as few blocks as keep
-/// every thread busy, so that a task reads whole `[heads, headdim]` rows of `x` (and of `B`,
-/// `C`, `z`, `out`): consecutive tokens' rows are adjacent in memory, where a single head's
+/// One task per (row, block of heads): a row's heads are split into as few equal blocks as
+/// give every thread the same work ([`crate::units_per_task`]), so that a task reads whole
+/// `[heads, headdim]` rows of `x` (and of `B`, `C`, `z`, `out`), or large parts of them: consecutive tokens' rows are adjacent in memory, where a single head's
 /// rows would each lie on another page. The states of a block's heads (`dstate x headdim`
 /// each) stay in the L2 cache. Each head's arithmetic does not depend on the blocking.
 fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
@@ -112,10 +112,7 @@ fn recurrence<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
         z: z.as_ref().map(|z| z.as_slice().expect("standard layout")),
     };
 
-    let head_blocks = rayon::current_num_threads()
-        .div_ceil(d.batch.max(1))
-        .clamp(1, d.nheads.max(1));
-    let heads_per_task = d.nheads.div_ceil(head_blocks).max(1);
+    let heads_per_task = crate::units_per_task(d.batch, d.nheads, rayon::current_num_threads());
 
     // One task per (b, head block j): the pieces out[b, t, h0..h1, :] of every row t (each
     // contiguous; as slices, so that writing a row costs no view arithmetic) and
