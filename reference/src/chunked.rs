@@ -33,10 +33,12 @@ pub enum Schedule {
     Staged,
     /// For each (batch, group), chunk by chunk in order: store the entering state, compute the
     /// output block, then the chunk state of every head and the state update. In parallel
-    /// over (batch, block of groups), each task going through its groups chunk by chunk.
+    /// over (batch, block of groups), each task going through its groups chunk by chunk, or,
+    /// with fewer (batch, group) pairs than threads, over (batch, group, block of heads).
     Fused,
-    /// `Fused` when there are at least two (batch, group) pairs per thread of rayon's pool,
-    /// `Staged` otherwise.
+    /// `Fused` when its tasks load rayon's threads evenly (a multiple of the thread count, or
+    /// at least two per thread), `Staged` otherwise (as for one row of one head, which only
+    /// the staged schedule's parallelism over chunks spreads over the threads).
     #[default]
     Auto,
 }
@@ -94,8 +96,8 @@ pub fn forward_with<T: Real>(
 /// [`forward`] into the arrays of an earlier result, for a caller that computes many problems
 /// of one shape: the same bits as [`forward`].
 ///
-/// Under the fused schedule (which [`Schedule::Auto`] picks when there are at least two
-/// (batch, group) pairs per thread of rayon's pool), `out`, `chunk_states` and `final_states`
+/// Under the fused schedule (which [`Schedule::Auto`] picks when its tasks load rayon's
+/// threads evenly), `out`, `chunk_states` and `final_states`
 /// are overwritten in place when their shapes fit `p` and they are in standard layout: no
 /// allocation, and no fresh pages for the operating system to map (at issue 2's shape, 34 MB
 /// per call). Otherwise, or under the staged schedule, `dst` is replaced by a fresh result.
@@ -130,25 +132,69 @@ pub fn forward_into<T: Real>(
 
 /// Whether `schedule` runs as [`Schedule::Fused`] for `p`.
 fn is_fused<T: Real>(p: &Problem<T>, schedule: Schedule) -> bool {
-    let d = p.dims();
     match schedule {
         Schedule::Staged => false,
         Schedule::Fused => true,
-        Schedule::Auto => d.batch * d.ngroups >= 2 * rayon::current_num_threads(),
+        Schedule::Auto => {
+            let threads = rayon::current_num_threads();
+            let tasks = fused_blocks(p.dims(), threads).tasks;
+            tasks.is_multiple_of(threads) || tasks >= 2 * threads
+        }
     }
 }
 
-/// One (batch, group) of the fused sweep: its parts of the outputs and its running states.
+/// How the fused schedule cuts its work into tasks.
+struct FusedBlocks {
+    /// Heads per (batch, group, block) unit: all of a group's, or a divisor of it.
+    heads_per_block: usize,
+    /// Groups per task when blocks are whole groups (1 otherwise).
+    groups_per_task: usize,
+    /// The number of tasks.
+    tasks: usize,
+}
+
+/// Tasks of (batch, block of whole groups), as few equal blocks per row as give every thread
+/// the same work ([`crate::units_per_task`]): a task then reads whole rows (or large parts)
+/// of `x`, `B` and `C` for each chunk (the rows of one group are 1/ngroups of a row, each on
+/// another page at issue 2's shape). When that leaves the threads unevenly loaded (fewer
+/// (batch, group) pairs than threads, as with one row and one group), tasks of (batch, group,
+/// block of the group's heads) instead, each computing the group's `C B^T` for its heads.
+fn fused_blocks(d: &crate::Dims, threads: usize) -> FusedBlocks {
+    let hpg = d.heads_per_group();
+    let gpt = crate::units_per_task(d.batch, d.ngroups, threads);
+    let tasks = d.batch * (d.ngroups / gpt);
+    if tasks.is_multiple_of(threads) || tasks >= 2 * threads {
+        return FusedBlocks {
+            heads_per_block: hpg,
+            groups_per_task: gpt,
+            tasks,
+        };
+    }
+    let hpb = crate::units_per_task(d.batch * d.ngroups, hpg, threads);
+    FusedBlocks {
+        heads_per_block: hpb,
+        groups_per_task: 1,
+        tasks: d.batch * d.ngroups * (hpg / hpb),
+    }
+}
+
+/// One (batch, group, block of the group's heads) of the fused sweep: its parts of the
+/// outputs and its running states. The block is all of the group's heads unless there are
+/// too few (batch, group) pairs to keep the threads busy ([`fused_blocks`]).
 struct GroupSweep<'a, T, O> {
     b: usize,
     g: usize,
-    /// `out[b, :, heads of g, :]`
+    /// The block's first head, counted within the group.
+    hh0: usize,
+    /// The block's number of heads.
+    nh: usize,
+    /// `out[b, :, heads of the block, :]`
     out: ArrayViewMut3<'a, O>,
-    /// `chunk_states[b, :, heads of g]`
+    /// `chunk_states[b, :, heads of the block]`
     states: ArrayViewMut4<'a, O>,
-    /// `final_states[b, heads of g]` (`[hpg, headdim, dstate]`, contiguous)
+    /// `final_states[b, heads of the block]` (`[nh, headdim, dstate]`, contiguous)
     fin: &'a mut [T],
-    /// The transposed states entering the current chunk of the group's heads: `[hpg, dstate,
+    /// The transposed states entering the current chunk of the block's heads: `[nh, dstate,
     /// headdim]`, the layout the carried term's product reads.
     run_t: Vec<T>,
     /// `seq_idx` of the token before the current chunk (0 before the first).
@@ -236,50 +282,50 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
         &[d.batch, d.nheads, d.headdim, d.dstate],
         "final_states"
     );
-    // Per (b, g): out[b, :, heads of g, :], chunk_states[b, :, heads of g], final_states[b,
-    // heads of g] (contiguous: [hpg, headdim, dstate]).
+    let blocks = fused_blocks(&d, rayon::current_num_threads());
+    let hpb = blocks.heads_per_block;
+    // Per (b, g, block of heads): out[b, :, heads, :], chunk_states[b, :, heads],
+    // final_states[b, heads] (contiguous: [hpb, headdim, dstate]).
     let outs: Vec<ArrayViewMut3<O>> = out
         .view_mut()
         .into_outer_iter_mut()
-        .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(1), hpg))
+        .flat_map(|ob| ob.into_axis_chunks_iter_mut(Axis(1), hpb))
         .collect();
     let states: Vec<ArrayViewMut4<O>> = chunk_states
         .view_mut()
         .into_outer_iter_mut()
-        .flat_map(|sb| sb.into_axis_chunks_iter_mut(Axis(1), hpg))
+        .flat_map(|sb| sb.into_axis_chunks_iter_mut(Axis(1), hpb))
         .collect();
     let fins: Vec<&mut [T]> = final_states
         .as_slice_mut()
         .expect("final_states in standard layout")
-        .chunks_mut(hpg * n)
+        .chunks_mut(hpb * n)
         .collect();
-    // One task per (batch, block of groups): a row's groups are split into as few equal blocks
-    // as give every thread the same work (`units_per_task`), so that for each chunk a task
-    // reads whole rows (or large parts) of x, B and C and writes those of out (the rows of one
-    // group are 1/ngroups of a row, each on another page at issue 2's shape).
-    let groups_per_task = crate::units_per_task(d.batch, d.ngroups, rayon::current_num_threads());
+    let blocks_per_group = hpg / hpb;
     let mut tasks: Vec<Vec<GroupSweep<T, O>>> = Vec::new();
-    for (bg, ((out, states), fin)) in outs.into_iter().zip(states).zip(fins).enumerate() {
-        let (b, g) = (bg / d.ngroups, bg % d.ngroups);
-        // `run_t` holds the transposed states entering the current chunk of the group's
-        // heads: [hpg, dstate, headdim], the layout the carried term's product reads.
-        let mut run_t = vec![T::zero(); hpg * n];
+    for (k, ((out, states), fin)) in outs.into_iter().zip(states).zip(fins).enumerate() {
+        let (bg, j) = (k / blocks_per_group, k % blocks_per_group);
+        let (b, g, hh0) = (bg / d.ngroups, bg % d.ngroups, j * hpb);
+        let mut run_t = vec![T::zero(); hpb * n];
         if let Some(s0) = &p.inputs().initial_states {
-            for (hh, rt) in run_t.chunks_exact_mut(n).enumerate() {
-                let s0 = s0.slice(s![b, g * hpg + hh, .., ..]);
+            for (kh, rt) in run_t.chunks_exact_mut(n).enumerate() {
+                let s0 = s0.slice(s![b, g * hpg + hh0 + kh, .., ..]);
                 rt.iter_mut().zip(s0.t().iter()).for_each(|(r, &v)| *r = v);
             }
         }
         let sweep = GroupSweep {
             b,
             g,
+            hh0,
+            nh: hpb,
             out,
             states,
             fin,
             run_t,
             seq_prev: 0,
         };
-        if g % groups_per_task == 0 {
+        // A task takes `groups_per_task` whole groups, or one block of heads.
+        if hpb < hpg || g % blocks.groups_per_task == 0 {
             tasks.push(Vec::new());
         }
         tasks.last_mut().expect("pushed above").push(sweep);
@@ -309,17 +355,19 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                 } else {
                     (0, c + 1)
                 };
-                let g_next = groups[gn].g;
+                let (g_next, hh0_next, nh_next) = (groups[gn].g, groups[gn].hh0, groups[gn].nh);
                 let GroupSweep {
                     b,
                     g,
+                    hh0,
+                    nh,
                     out: o,
                     states: st,
                     fin: _,
                     run_t,
                     seq_prev,
                 } = &mut groups[gi];
-                let (b, g) = (*b, *g);
+                let (b, g, hh0, nh) = (*b, *g, *hh0, *nh);
                 let t0 = c * cs;
                 let l = p.chunk_len(c);
                 let mut entering = st.index_axis_mut(Axis(0), c);
@@ -347,28 +395,29 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                     prefetch::rows(f.c(), bc, bc_rs, r1 - r0, d.dstate);
                     prefetch::rows(f.b(), bc, bc_rs, r1 - r0, d.dstate);
                     let x_rs = d.nheads * d.headdim;
-                    let xo = f.x_off(b, t1 + r0, g_next * hpg);
-                    prefetch::rows(f.x(), xo, x_rs, r1 - r0, hpg * d.headdim);
+                    let xo = f.x_off(b, t1 + r0, g_next * hpg + hh0_next);
+                    prefetch::rows(f.x(), xo, x_rs, r1 - r0, nh_next * d.headdim);
                     for r in t1 + r0..t1 + r1 {
-                        prefetch::span(o_ptr.wrapping_add(r * o_rs), hpg * d.headdim);
+                        prefetch::span(o_ptr.wrapping_add(r * o_rs), nh_next * d.headdim);
                     }
-                    let (a, e) = (r0 * hpg * n / l1, r1 * hpg * n / l1);
+                    let (a, e) = (r0 * nh_next * n / l1, r1 * nh_next * n / l1);
                     prefetch::span(st_ptr.wrapping_add(cn * st_rs + a), e - a);
                 };
                 let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
                 out_block(
                     &f,
                     (b, c, g),
+                    hh0..hh0 + nh,
                     HeadStates::Transposed(run_t),
                     &mut block,
                     &mut out_sc,
                     &mut prefetch_step,
                 );
                 let mut seq_new = *seq_prev;
-                for (hh, run_h) in run_t.chunks_exact_mut(n).enumerate() {
-                    let h = g * hpg + hh;
+                for (kh, run_h) in run_t.chunks_exact_mut(n).enumerate() {
+                    let h = g * hpg + hh0 + kh;
                     // x_c as out_block left it for this head
-                    let x_c = &out_sc.x_copy[hh * l * d.headdim..(hh + 1) * l * d.headdim];
+                    let x_c = &out_sc.x_copy[kh * l * d.headdim..(kh + 1) * l * d.headdim];
                     let b_t = &out_sc.b_t[..d.dstate * l];
                     local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, &mut local_t);
                     let (scale, seq) = pass_scale(&f, (b, h, c), *seq_prev);

@@ -49,7 +49,7 @@ pub(crate) struct OutScratch<T> {
     lmat: Vec<T>,
     s_t: Vec<T>,
     y: Vec<T>,
-    /// `x_c` of every head of the group (rounded under TF32): `[hpg, L, headdim]`.
+    /// `x_c` of every head of the block (rounded under TF32): `[heads, L, headdim]`.
     pub(crate) x_copy: Vec<T>,
     /// The `L` for which `lmat` holds zeros above the diagonal.
     lmat_len: usize,
@@ -278,6 +278,7 @@ pub fn compute_out<T: Real>(
             out_block(
                 &f,
                 (b, c, g),
+                0..hpg,
                 HeadStates::Rows(&states_flat[off..off + hpg * hd * ds]),
                 &mut block,
                 sc,
@@ -307,24 +308,27 @@ impl<T: Real> Cell<T> for std::mem::MaybeUninit<T> {
     }
 }
 
-/// The states entering a chunk of a group's heads, as [`out_block`] receives them.
+/// The states entering a chunk of a block of a group's heads, as [`out_block`] receives them.
 #[derive(Clone, Copy)]
 pub(crate) enum HeadStates<'a, T> {
-    /// `[hpg, headdim, dstate]`, row-major (the layout of `chunk_states`).
+    /// `[heads, headdim, dstate]`, row-major (the layout of `chunk_states`).
     Rows(&'a [T]),
-    /// `[hpg, dstate, headdim]`, row-major: each head's `S_c^T`, which the carried term's
+    /// `[heads, dstate, headdim]`, row-major: each head's `S_c^T`, which the carried term's
     /// product reads without a transpose.
     Transposed(&'a [T]),
 }
 
-/// The output block `out[b, t0..t0 + L, heads of group g, :]` of chunk `c` (see the module
-/// documentation), given the states entering the chunk of the group's heads. On return
-/// `sc.b_t` holds `B_c^T` (not rounded) and `sc.x_copy` every head's `x_c`. `between` is
-/// called between the steps (after each product): the fused schedule issues its prefetches
-/// there, a few at a time.
+/// The output block `out[b, t0..t0 + L, heads, :]` of chunk `c` for a block of the heads of
+/// group g (`heads`: their indices within the group; see the module documentation), given
+/// the states entering the chunk of those heads. On return `sc.b_t` holds `B_c^T` (not
+/// rounded) and `sc.x_copy` every head's `x_c`. `between` is called between the steps (after
+/// each product): the fused schedule issues its prefetches there, a few at a time. `G` is
+/// computed for the whole block whatever its heads, so the bits do not depend on the blocks.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn out_block<T: Real, O: Cell<T>>(
     f: &Flat<'_, T>,
     (b, c, g): (usize, usize, usize),
+    heads: std::ops::Range<usize>,
     states: HeadStates<'_, T>,
     block: &mut ArrayViewMut3<'_, O>,
     sc: &mut OutScratch<T>,
@@ -391,25 +395,25 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
     }
     let s_t_buf = scratch(&mut sc.s_t, ds * hd);
     let y = scratch(&mut sc.y, l * hd);
-    let x_copies = scratch(&mut sc.x_copy, hpg * l * hd);
+    let x_copies = scratch(&mut sc.x_copy, heads.len() * l * hd);
     let e = scratch(&mut sc.e, l);
     let d_skip = scratch(&mut sc.d_skip, hd);
     let x_rs = d.nheads * hd;
     let x_flat = f.x();
-    for hh in 0..hpg {
+    for (k, hh) in heads.enumerate() {
         let h = g * hpg + hh;
         let (cum, dt) = f.cum_dt(b, h, c);
         // Carried state: Y = diag(e) (C_c S_c^T), S_c^T as a (rounded) copy.
         let s_t: &[T] = match states {
             HeadStates::Rows(s) => {
-                transpose_into((hd, ds), s, hh * hd * ds, ds, s_t_buf);
+                transpose_into((hd, ds), s, k * hd * ds, ds, s_t_buf);
                 if tf32 {
                     round_all(s_t_buf);
                 }
                 &*s_t_buf
             }
             HeadStates::Transposed(s) => {
-                let s = &s[hh * ds * hd..(hh + 1) * ds * hd];
+                let s = &s[k * ds * hd..(k + 1) * ds * hd];
                 if tf32 {
                     s_t_buf.copy_from_slice(s);
                     round_all(s_t_buf);
@@ -465,7 +469,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         between();
         // Y += Lmat x_c
         let x_off = f.x_off(b, t0, h);
-        let x_copy = &mut x_copies[hh * l * hd..(hh + 1) * l * hd];
+        let x_copy = &mut x_copies[k * l * hd..(k + 1) * l * hd];
         copy_x_c(f, (b, c, h), x_copy);
         gemm(
             (l, hd, l),
@@ -482,7 +486,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
             .iter_mut()
             .enumerate()
             .for_each(|(pp, v)| *v = p.d_skip(h, pp));
-        let mut o = block.index_axis_mut(Axis(1), hh);
+        let mut o = block.index_axis_mut(Axis(1), k);
         for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate() {
             let off = x_off + r * x_rs;
             // x_c's row from the chunk's contiguous copy (in cache), unless that copy was

@@ -159,7 +159,7 @@ pub type ChunkStates<T> = Array5<T>;
 pub(crate) fn units_per_task(batch: usize, units: usize, threads: usize) -> usize {
     let (batch, units, threads) = (batch.max(1), units.max(1), threads.max(1));
     (threads.div_ceil(batch)..=units)
-        .find(|&k| units % k == 0 && (batch * k) % threads == 0)
+        .find(|&k| units.is_multiple_of(k) && (batch * k).is_multiple_of(threads))
         .map_or(1, |k| units / k)
 }
 
@@ -180,7 +180,10 @@ mod tests {
             for units in 1..12 {
                 for threads in 1..9 {
                     let k = units_per_task(batch, units, threads);
-                    assert!(k >= 1 && units % k == 0, "{batch} {units} {threads} -> {k}");
+                    assert!(
+                        k >= 1 && units.is_multiple_of(k),
+                        "{batch} {units} {threads} -> {k}"
+                    );
                 }
             }
         }

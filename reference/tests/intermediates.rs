@@ -273,3 +273,34 @@ fn results_do_not_depend_on_the_thread_count() {
     assert_eq!(f1.final_states, f4.final_states);
     assert_eq!(f1.out, c1.out);
 }
+
+/// With fewer (batch, group) pairs than threads, the fused schedule splits a group's heads
+/// into blocks (each block computing the group's `C B^T` for itself): one row and one group
+/// of 4 heads runs as 1 task on 1 thread, 2 blocks of 2 heads on 2 threads, 4 of 1 on 4. The
+/// bits must not move, and must be the staged schedule's.
+#[test]
+fn fused_blocks_of_heads_give_the_same_bits() {
+    let dims = Dims {
+        batch: 1,
+        seqlen: 200,
+        nheads: 4,
+        headdim: 12,
+        ngroups: 1,
+        dstate: 9,
+    };
+    let p = random_problem(&ProblemSpec::full(dims, 32), 11).unwrap();
+    let staged = chunked::forward_with(&p, MatmulPrecision::Native, Schedule::Staged);
+    for threads in [1, 2, 3, 4] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let fused =
+            pool.install(|| chunked::forward_with(&p, MatmulPrecision::Native, Schedule::Fused));
+        assert_eq!(fused.out, staged.out, "{threads} threads");
+        assert_eq!(fused.chunk_states, staged.chunk_states, "{threads} threads");
+        assert_eq!(fused.final_states, staged.final_states, "{threads} threads");
+        let auto = pool.install(|| chunked::forward(&p, MatmulPrecision::Native));
+        assert_eq!(auto.out, staged.out, "{threads} threads, Auto");
+    }
+}
