@@ -184,17 +184,16 @@ fn fused_blocks(d: &crate::Dims, threads: usize) -> FusedBlocks {
 struct GroupSweep<'a, T, O> {
     b: usize,
     g: usize,
-    /// The block's first head, counted within the group.
+    /// The block's first head, counted within the group (the block has `hpb` heads, see
+    /// [`fused_blocks`]).
     hh0: usize,
-    /// The block's number of heads.
-    nh: usize,
     /// `out[b, :, heads of the block, :]`
     out: ArrayViewMut3<'a, O>,
     /// `chunk_states[b, :, heads of the block]`
     states: ArrayViewMut4<'a, O>,
-    /// `final_states[b, heads of the block]` (`[nh, headdim, dstate]`, contiguous)
+    /// `final_states[b, heads of the block]` (`[hpb, headdim, dstate]`, contiguous)
     fin: &'a mut [T],
-    /// The transposed states entering the current chunk of the block's heads: `[nh, dstate,
+    /// The transposed states entering the current chunk of the block's heads: `[hpb, dstate,
     /// headdim]`, the layout the carried term's product reads.
     run_t: Vec<T>,
     /// `seq_idx` of the token before the current chunk (0 before the first).
@@ -317,7 +316,6 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
             b,
             g,
             hh0,
-            nh: hpb,
             out,
             states,
             fin,
@@ -355,19 +353,18 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                 } else {
                     (0, c + 1)
                 };
-                let (g_next, hh0_next, nh_next) = (groups[gn].g, groups[gn].hh0, groups[gn].nh);
+                let (g_next, hh0_next) = (groups[gn].g, groups[gn].hh0);
                 let GroupSweep {
                     b,
                     g,
                     hh0,
-                    nh,
                     out: o,
                     states: st,
                     fin: _,
                     run_t,
                     seq_prev,
                 } = &mut groups[gi];
-                let (b, g, hh0, nh) = (*b, *g, *hh0, *nh);
+                let (b, g, hh0) = (*b, *g, *hh0);
                 let t0 = c * cs;
                 let l = p.chunk_len(c);
                 let mut entering = st.index_axis_mut(Axis(0), c);
@@ -396,18 +393,18 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                     prefetch::rows(f.b(), bc, bc_rs, r1 - r0, d.dstate);
                     let x_rs = d.nheads * d.headdim;
                     let xo = f.x_off(b, t1 + r0, g_next * hpg + hh0_next);
-                    prefetch::rows(f.x(), xo, x_rs, r1 - r0, nh_next * d.headdim);
+                    prefetch::rows(f.x(), xo, x_rs, r1 - r0, hpb * d.headdim);
                     for r in t1 + r0..t1 + r1 {
-                        prefetch::span(o_ptr.wrapping_add(r * o_rs), nh_next * d.headdim);
+                        prefetch::span(o_ptr.wrapping_add(r * o_rs), hpb * d.headdim);
                     }
-                    let (a, e) = (r0 * nh_next * n / l1, r1 * nh_next * n / l1);
+                    let (a, e) = (r0 * hpb * n / l1, r1 * hpb * n / l1);
                     prefetch::span(st_ptr.wrapping_add(cn * st_rs + a), e - a);
                 };
                 let mut block = o.slice_mut(s![t0..t0 + l, .., ..]);
                 out_block(
                     &f,
                     (b, c, g),
-                    hh0..hh0 + nh,
+                    hh0..hh0 + hpb,
                     HeadStates::Transposed(run_t),
                     &mut block,
                     &mut out_sc,

@@ -27,6 +27,7 @@
 use ndarray::{Array4, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
+use crate::compute_out::transpose_into;
 use crate::prefetch;
 use crate::problem::gate;
 use crate::{Output, Problem, Real};
@@ -292,12 +293,11 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
             }
         }
     }
-    for (hl, st) in st.iter().enumerate() {
-        for pp in 0..hd {
-            for n in 0..ds {
-                fin[[hl, pp, n]] = st[n * hd + pp];
-            }
-        }
+    let fin = fin
+        .as_slice_mut()
+        .expect("a block's final_states are contiguous (standard layout)");
+    for (st, dst) in st.iter().zip(fin.chunks_exact_mut(ds * hd)) {
+        transpose_into((ds, hd), st, 0, hd, dst);
     }
 }
 

@@ -9,16 +9,12 @@
 /// Prefetches (into L2) `rows` rows of `len` entries of `data`, the first at `off`, `rs`
 /// entries apart. Rows past the end of `data` are skipped.
 pub(crate) fn rows<T>(data: &[T], off: usize, rs: usize, nrows: usize, len: usize) {
-    const LINE: usize = 64;
-    let per_line = (LINE / std::mem::size_of::<T>().max(1)).max(1);
     for r in 0..nrows {
         let start = off + r * rs;
         let Some(row) = data.get(start..start + len) else {
             return;
         };
-        for k in (0..len).step_by(per_line) {
-            line(&row[k]);
-        }
+        span(row.as_ptr(), len);
     }
 }
 
@@ -33,30 +29,15 @@ pub(crate) fn span<T>(start: *const T, len: usize) {
     }
 }
 
-/// Prefetches the cache line holding `v` into L2.
-#[inline(always)]
-fn line<T>(v: &T) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        // SAFETY: SSE, which `_mm_prefetch` requires, is part of the x86-64 baseline, so the
-        // instruction exists on every x86-64 target. A prefetch is a hint: it neither reads
-        // into the program nor writes, and cannot fault; the address comes from a live
-        // reference anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(std::ptr::from_ref(v).cast::<i8>()) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = v;
-}
-
 /// Prefetches the cache line holding the address `p` into L2 (not dereferenced).
 #[inline(always)]
 fn line_at<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        // SAFETY: as in `line`; a prefetch of any address is a hint that neither reads into
-        // the program nor faults, so `p` need not be valid.
+        // SAFETY: SSE, which `_mm_prefetch` requires, is part of the x86-64 baseline, so the
+        // instruction exists on every x86-64 target. A prefetch is a hint: it neither reads
+        // into the program nor writes, and cannot fault, so `p` need not be valid.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>()) }
     }
     #[cfg(not(target_arch = "x86_64"))]
