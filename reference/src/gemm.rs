@@ -4,10 +4,11 @@
 //! The operands of the chunked path are at most `chunk_size x max(chunk_size, headdim,
 //! dstate)` and sit in cache; a general-purpose GEMM spends as much time re-packing such
 //! operands as multiplying them. This one reads them in place: it walks `c` in register tiles
-//! of 4 rows by three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
-//! accumulators), then two vectors, then one vector, broadcasting `a[i, k]` and loading
-//! `b[k, j..j + NR]`: AVX2 + FMA intrinsics where the build has them (the default here,
-//! `.cargo/config.toml`), a generic loop otherwise.
+//! of 4 rows by up to three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
+//! accumulators) or, where the processor has AVX-512 (detected at run time, [`Kernels`]), up
+//! to four AVX-512 vectors (4 x 32 for f64, 4 x 64 for f32: sixteen accumulators),
+//! broadcasting `a[i, k]` and loading `b[k, j..j + NR]`: intrinsics where the build has AVX2
+//! and FMA (the default here, `.cargo/config.toml`), a generic loop otherwise.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
 //! increasing `k`, starting from 0; with `accumulate`, that sum is then added to the old
@@ -50,13 +51,59 @@ pub(crate) enum Tri {
     LowerC,
 }
 
+/// The register-tile kernels a product runs on: AVX2 (16 vector registers of 256 bits) or,
+/// where the processor has it (detected at run time), AVX-512 (32 registers of 512 bits).
+/// Both compute every entry by the same fused multiply-adds in the same order: the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernels {
+    /// 4-row tiles of 3, 2 and 1 AVX2 vectors (f64: 12, 8, 4 columns).
+    Avx2,
+    /// 4-row tiles of 4, 2 and 1 AVX-512 vectors (f64: 32, 16, 8 columns: sixteen
+    /// accumulators, which AVX2's 16 registers cannot hold with their operands), then one
+    /// AVX2 vector. At 64 columns of f64 the AVX2 tiles split 4 x 12 + 2 x 8, and the 8-wide
+    /// tiles ran at 75% of the FMA peak against 91% for the 12-wide ones.
+    Avx512,
+}
+
+impl Kernels {
+    /// The widest kernels this processor runs (AVX-512 needs a build with AVX2 and FMA).
+    pub(crate) fn detect() -> Self {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Kernels::Avx512;
+        }
+        Kernels::Avx2
+    }
+}
+
 /// `c = a b` (or `c += a b` with `accumulate`) for `a` `m x k`, `b` `k x n` (`b.cs == 1`),
-/// `c` `m x n` row-major with row stride `ldc`, restricted by `tri`.
+/// `c` `m x n` row-major with row stride `ldc`, restricted by `tri`, on the widest kernels
+/// the processor runs ([`Kernels::detect`]).
 ///
 /// # Panics
 /// If `b.cs != 1` or an operand is too short for its shape.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: Real>(
+    shape: (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    tri: Tri,
+) {
+    gemm_on(Kernels::detect(), shape, a, b, c, ldc, accumulate, tri);
+}
+
+/// [`gemm`] on the given kernels (the tests run both where the processor has AVX-512;
+/// `Avx512` on a processor without it runs `Avx2`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_on<T: Real>(
+    kernels: Kernels,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, T>,
     b: Mat<'_, T>,
@@ -66,27 +113,43 @@ pub(crate) fn gemm<T: Real>(
     tri: Tri,
 ) {
     assert_eq!(b.cs, 1, "b must have contiguous rows");
-    if std::mem::size_of::<T>() == 8 {
-        tiles::<T, 4, 12, 8, 4>((m, n, k), a, b, c, ldc, accumulate, tri);
-    } else {
-        tiles::<T, 4, 24, 16, 8>((m, n, k), a, b, c, ldc, accumulate, tri);
+    let wide = kernels == Kernels::Avx512 && Kernels::detect() == Kernels::Avx512;
+    let args = ((m, n, k), a, b, c, ldc, accumulate, tri, wide);
+    match (std::mem::size_of::<T>() == 8, wide) {
+        (true, false) => tiles::<T, 4, 12, 8, 4, 4>(args),
+        (true, true) => tiles::<T, 4, 32, 16, 8, 4>(args),
+        (false, false) => tiles::<T, 4, 24, 16, 8, 8>(args),
+        (false, true) => tiles::<T, 4, 64, 32, 16, 8>(args),
     }
 }
 
-/// Row blocks of `MR`; in each, column tiles of `NR` (three AVX2 vectors: twelve independent
-/// accumulators), then of `NRM` (two vectors: eight accumulators, still enough to keep both FMA
-/// pipes busy), then of `NR2` (one vector), then single entries. The split prefers two `NRM`
-/// tiles to one `NR` tile followed by a latency-bound `NR2` tile: 64 columns of f64 are
-/// 4 x 12 + 2 x 8, not 5 x 12 + 4.
-#[allow(clippy::too_many_arguments)]
-fn tiles<T: Real, const MR: usize, const NR: usize, const NRM: usize, const NR2: usize>(
-    (m, n, k): (usize, usize, usize),
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-    tri: Tri,
+/// The arguments of [`tiles`]: [`gemm`]'s, and whether the AVX-512 kernels run.
+type TileArgs<'a, 'c, T> = (
+    (usize, usize, usize),
+    Mat<'a, T>,
+    Mat<'a, T>,
+    &'c mut [T],
+    usize,
+    bool,
+    Tri,
+    bool,
+);
+
+/// Row blocks of `MR`; in each, column tiles of `NR` (three AVX2 or four AVX-512 vectors:
+/// twelve or sixteen independent accumulators), then of `NRM` (two vectors: still enough
+/// accumulators to keep the FMA pipes busy), then of `NR2` (one vector), then of `NR3` (one
+/// AVX2 vector, when `NR2` is an AVX-512 one), then single entries. The split prefers two
+/// `NRM` tiles to one `NR` tile followed by a latency-bound `NR2` tile: 64 columns of f64 are
+/// 4 x 12 + 2 x 8 on AVX2, not 5 x 12 + 4.
+fn tiles<
+    T: Real,
+    const MR: usize,
+    const NR: usize,
+    const NRM: usize,
+    const NR2: usize,
+    const NR3: usize,
+>(
+    ((m, n, k), a, b, c, ldc, accumulate, tri, wide): TileArgs<'_, '_, T>,
 ) {
     let mut i0 = 0;
     while i0 < m {
@@ -95,25 +158,41 @@ fn tiles<T: Real, const MR: usize, const NR: usize, const NRM: usize, const NR2:
             Tri::Full => (k, n),
             Tri::LowerA => ((i0 + mr).min(k), n),
             // column tiles up to the diagonal (a few entries right of it come along)
-            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR2).min(n)),
+            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR3).min(n)),
         };
         let mut j0 = 0;
         if mr == MR {
+            let tile = |j0: usize, nr: usize, c: &mut [T]| match nr {
+                _ if nr == NR => {
+                    full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
+                }
+                _ if nr == NRM => {
+                    full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
+                }
+                _ if nr == NR2 => {
+                    full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
+                }
+                _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, accumulate, wide),
+            };
             loop {
                 let rem = n_end - j0;
                 if rem == NR || rem >= NR + NRM {
-                    full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, accumulate);
+                    tile(j0, NR, c);
                     j0 += NR;
                 } else if rem >= NRM {
-                    full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, accumulate);
+                    tile(j0, NRM, c);
                     j0 += NRM;
                 } else {
                     break;
                 }
             }
             while j0 + NR2 <= n_end {
-                full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, accumulate);
+                tile(j0, NR2, c);
                 j0 += NR2;
+            }
+            while j0 + NR3 <= n_end {
+                tile(j0, NR3, c);
+                j0 += NR3;
             }
         }
         // Edge entries: the same sums, one entry at a time.
@@ -139,6 +218,7 @@ fn tiles<T: Real, const MR: usize, const NR: usize, const NRM: usize, const NR2:
 // registers (not always: a variant with a second loop kept f32's in scalar stack slots).
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 fn full_tile<T: Real, const MR: usize, const NR: usize>(
     (i0, j0, k_end): (usize, usize, usize),
     a: Mat<'_, T>,
@@ -146,15 +226,25 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
     c: &mut [T],
     ldc: usize,
     accumulate: bool,
+    wide: bool,
 ) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if MR == 4 && k_end > 0 && simd::full_tile((i0, j0, k_end), a, b, c, ldc, accumulate, NR) {
+    if MR == 4
+        && k_end > 0
+        && simd::full_tile((i0, j0, k_end), a, b, c, ldc, accumulate, (NR, wide))
+    {
         return;
     }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    let _ = wide;
     let mut acc = [[T::zero(); NR]; MR];
     for kk in 0..k_end {
         let bo = b.off + kk * b.rs + j0;
@@ -194,9 +284,12 @@ mod simd {
     use crate::Real;
     use std::any::TypeId;
     use std::arch::x86_64::{
-        __m256, __m256d, _mm256_add_pd, _mm256_add_ps, _mm256_broadcast_sd, _mm256_broadcast_ss,
-        _mm256_fmadd_pd, _mm256_fmadd_ps, _mm256_loadu_pd, _mm256_loadu_ps, _mm256_setzero_pd,
-        _mm256_setzero_ps, _mm256_storeu_pd, _mm256_storeu_ps,
+        __m256, __m256d, __m512, __m512d, _mm256_add_pd, _mm256_add_ps, _mm256_broadcast_sd,
+        _mm256_broadcast_ss, _mm256_fmadd_pd, _mm256_fmadd_ps, _mm256_loadu_pd, _mm256_loadu_ps,
+        _mm256_setzero_pd, _mm256_setzero_ps, _mm256_storeu_pd, _mm256_storeu_ps, _mm512_add_pd,
+        _mm512_add_ps, _mm512_fmadd_pd, _mm512_fmadd_ps, _mm512_loadu_pd, _mm512_loadu_ps,
+        _mm512_set1_pd, _mm512_set1_ps, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_storeu_pd,
+        _mm512_storeu_ps,
     };
 
     /// The `4 x nr` tile of `c` at `(i0, j0)` (see [`super::full_tile`]) when `T` is f64 or f32
@@ -211,17 +304,21 @@ mod simd {
         c: &mut [T],
         ldc: usize,
         accumulate: bool,
-        nr: usize,
+        (nr, wide): (usize, bool),
     ) -> bool {
-        let lanes = if TypeId::of::<T>() == TypeId::of::<f64>() {
-            <__m256d as Vector>::LANES
+        let f64_elems = if TypeId::of::<T>() == TypeId::of::<f64>() {
+            true
         } else if TypeId::of::<T>() == TypeId::of::<f32>() {
-            <__m256 as Vector>::LANES
+            false
         } else {
             return false;
         };
-        let nv = nr / lanes;
-        if !nr.is_multiple_of(lanes) || !(1..=3).contains(&nv) {
+        // AVX-512 vectors (where `wide`: the processor has AVX-512F) for 1, 2 or 4 of them,
+        // AVX2 vectors for 1 to 3.
+        let lanes_512 = if f64_elems { 8 } else { 16 };
+        let lanes = if f64_elems { 4 } else { 8 };
+        let zmm = wide && nr.is_multiple_of(lanes_512) && [1, 2, 4].contains(&(nr / lanes_512));
+        if !zmm && (!nr.is_multiple_of(lanes) || !(1..=3).contains(&(nr / lanes))) {
             return false;
         }
         // The extent of every read and write below, checked once.
@@ -243,19 +340,26 @@ mod simd {
             k_end,
             accumulate,
         };
-        // SAFETY: `T` is the element type of the vector chosen (by `lanes`, checked above), so
-        // the casts keep the element type; every offset the kernel forms lies within the
+        // SAFETY: `T` is the element type of the vector chosen (f64 or f32, by `f64_elems`),
+        // so the casts keep the element type; every offset the kernel forms lies within the
         // extents asserted above (rows i0..i0 + 4 of a up to column k_end - 1, rows 0..k_end
-        // of b and 4 rows of c over nr = nv * lanes columns). AVX2 and FMA are enabled at
-        // compile time.
+        // of b and 4 rows of c over nr columns, a whole number of vectors). AVX2 and FMA are
+        // enabled at compile time; the AVX-512 kernels run only where `wide` says the
+        // processor has AVX-512F (detected at run time, [`super::Kernels::detect`]).
         unsafe {
-            match (lanes, nv) {
-                (4, 1) => tile::<__m256d, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (4, 2) => tile::<__m256d, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (4, 3) => tile::<__m256d, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (8, 1) => tile::<__m256, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                (8, 2) => tile::<__m256, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
-                _ => tile::<__m256, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+            match (f64_elems, zmm, nr / if zmm { lanes_512 } else { lanes }) {
+                (true, true, 1) => tile_512::<__m512d, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (true, true, 2) => tile_512::<__m512d, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (true, true, _) => tile_512::<__m512d, 4>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, true, 1) => tile_512::<__m512, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, true, 2) => tile_512::<__m512, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, true, _) => tile_512::<__m512, 4>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (true, false, 1) => tile::<__m256d, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (true, false, 2) => tile::<__m256d, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (true, false, _) => tile::<__m256d, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, false, 1) => tile::<__m256, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, false, 2) => tile::<__m256, 2>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
+                (false, false, _) => tile::<__m256, 3>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
             }
         }
         true
@@ -287,62 +391,138 @@ mod simd {
     }
 
     macro_rules! vector {
-        ($v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident, $fmadd:ident,
-         $add:ident, $store:ident) => {
+        ($(#[$attr:meta])*; $v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident,
+         $fmadd:ident, $add:ident, $store:ident) => {
+            // (unsafe blocks around the intrinsics that are safe inside an AVX-512 function)
+            #[allow(unused_unsafe)]
             impl Vector for $v {
                 type Elem = $e;
                 const LANES: usize = $lanes;
-                // SAFETY (all six): AVX2 and FMA are enabled at compile time; the caller
-                // passes pointers valid for the lanes read or written.
-                #[inline(always)]
+                // SAFETY (all six): AVX2 and FMA are enabled at compile time, and the AVX-512
+                // versions (with `target_feature` attributes) are only called where the
+                // processor has AVX-512F; the caller passes pointers valid for the lanes read
+                // or written.
+                $(#[$attr])*
                 unsafe fn zero() -> Self {
                     unsafe { $zero() }
                 }
-                #[inline(always)]
+                $(#[$attr])*
                 unsafe fn load(p: *const $e) -> Self {
                     unsafe { $load(p) }
                 }
-                #[inline(always)]
+                $(#[$attr])*
                 unsafe fn splat(p: *const $e) -> Self {
-                    unsafe { $splat(&*p) }
+                    unsafe { $splat(*p) }
                 }
-                #[inline(always)]
+                $(#[$attr])*
                 unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
                     unsafe { $fmadd(a, b, c) }
                 }
-                #[inline(always)]
+                $(#[$attr])*
                 unsafe fn add(a: Self, b: Self) -> Self {
                     unsafe { $add(a, b) }
                 }
-                #[inline(always)]
+                $(#[$attr])*
                 unsafe fn store(p: *mut $e, v: Self) {
                     unsafe { $store(p, v) }
                 }
             }
         };
     }
+    /// `_mm256_broadcast_sd` by value.
+    #[inline(always)]
+    unsafe fn splat_pd(v: f64) -> __m256d {
+        // SAFETY: AVX is enabled at compile time.
+        unsafe { _mm256_broadcast_sd(&v) }
+    }
+    /// `_mm256_broadcast_ss` by value.
+    #[inline(always)]
+    unsafe fn splat_ps(v: f32) -> __m256 {
+        // SAFETY: AVX is enabled at compile time.
+        unsafe { _mm256_broadcast_ss(&v) }
+    }
     vector!(
+        #[inline(always)];
         __m256d,
         f64,
         4,
         _mm256_setzero_pd,
         _mm256_loadu_pd,
-        _mm256_broadcast_sd,
+        splat_pd,
         _mm256_fmadd_pd,
         _mm256_add_pd,
         _mm256_storeu_pd
     );
     vector!(
+        #[inline(always)];
         __m256,
         f32,
         8,
         _mm256_setzero_ps,
         _mm256_loadu_ps,
-        _mm256_broadcast_ss,
+        splat_ps,
         _mm256_fmadd_ps,
         _mm256_add_ps,
         _mm256_storeu_ps
     );
+    vector!(
+        #[inline]
+        #[target_feature(enable = "avx512f")];
+        __m512d,
+        f64,
+        8,
+        _mm512_setzero_pd,
+        _mm512_loadu_pd,
+        _mm512_set1_pd,
+        _mm512_fmadd_pd,
+        _mm512_add_pd,
+        _mm512_storeu_pd
+    );
+    vector!(
+        #[inline]
+        #[target_feature(enable = "avx512f")];
+        __m512,
+        f32,
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps,
+        _mm512_storeu_ps
+    );
+
+    /// The body of [`tile`] and [`tile_512`] (the same code, compiled for AVX2 or AVX-512).
+    macro_rules! tile_body {
+        ($V:ty, $NV:expr, $a:expr, $b:expr, $c:expr, $g:expr) => {{
+            let (a, b, c, g) = ($a, $b, $c, $g);
+            let mut acc: [[$V; $NV]; 4] = [[<$V>::zero(); $NV]; 4];
+            for kk in 0..g.k_end {
+                let bp = b.add(kk * g.b_rs);
+                let mut bv: [$V; $NV] = [<$V>::zero(); $NV];
+                for (v, bvv) in bv.iter_mut().enumerate() {
+                    *bvv = <$V>::load(bp.add(<$V>::LANES * v));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = <$V>::splat(a.add(r * g.a_rs + kk * g.a_cs));
+                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
+                        *acc_rv = <$V>::fmadd(av, bvv, *acc_rv);
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (v, &acc_rv) in acc_r.iter().enumerate() {
+                    let cp = c.add(r * g.ldc + <$V>::LANES * v);
+                    let val = if g.accumulate {
+                        <$V>::add(<$V>::load(cp), acc_rv)
+                    } else {
+                        acc_rv
+                    };
+                    <$V>::store(cp, val);
+                }
+            }
+        }};
+    }
 
     /// `c[r, j..j + LANES NV] (+)= sum_k a[r, k] b[k, j..]` for `r < 4`: one fused
     /// multiply-add per `k`, in increasing `k`, then (with `accumulate`) one add.
@@ -358,33 +538,22 @@ mod simd {
         g: &Geometry,
     ) {
         // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
-        unsafe {
-            let mut acc: [[V; NV]; 4] = [[V::zero(); NV]; 4];
-            for kk in 0..g.k_end {
-                let bp = b.add(kk * g.b_rs);
-                let mut bv: [V; NV] = [V::zero(); NV];
-                for (v, bvv) in bv.iter_mut().enumerate() {
-                    *bvv = V::load(bp.add(V::LANES * v));
-                }
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = V::splat(a.add(r * g.a_rs + kk * g.a_cs));
-                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
-                        *acc_rv = V::fmadd(av, bvv, *acc_rv);
-                    }
-                }
-            }
-            for (r, acc_r) in acc.iter().enumerate() {
-                for (v, &acc_rv) in acc_r.iter().enumerate() {
-                    let cp = c.add(r * g.ldc + V::LANES * v);
-                    let val = if g.accumulate {
-                        V::add(V::load(cp), acc_rv)
-                    } else {
-                        acc_rv
-                    };
-                    V::store(cp, val);
-                }
-            }
-        }
+        unsafe { tile_body!(V, NV, a, b, c, g) }
+    }
+
+    /// [`tile`] compiled for AVX-512F (`V` one of its vectors).
+    ///
+    /// # Safety
+    /// As [`tile`]; and the processor must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_512<V: Vector, const NV: usize>(
+        a: *const V::Elem,
+        b: *const V::Elem,
+        c: *mut V::Elem,
+        g: &Geometry,
+    ) {
+        // SAFETY: the offsets are in bounds by the contract; the caller checked AVX-512F.
+        unsafe { tile_body!(V, NV, a, b, c, g) }
     }
 }
 
@@ -395,11 +564,11 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     /// The same sums by a triple loop: fma over k in order from 0, as documented.
-    fn reference(
+    fn reference<T: Real>(
         (m, n, k): (usize, usize, usize),
-        a: &Mat<'_, f64>,
-        b: &Mat<'_, f64>,
-        c: &mut [f64],
+        a: &Mat<'_, T>,
+        b: &Mat<'_, T>,
+        c: &mut [T],
         ldc: usize,
         accumulate: bool,
         tri: Tri,
@@ -409,7 +578,7 @@ mod tests {
                 if tri == Tri::LowerC && j > i {
                     continue;
                 }
-                let mut s = 0.0f64;
+                let mut s = T::zero();
                 for kk in 0..k {
                     let av = a.data[a.off + i * a.rs + kk * a.cs];
                     s = av.mul_add(b.data[b.off + kk * b.rs + j], s);
@@ -420,14 +589,15 @@ mod tests {
         }
     }
 
-    #[test]
-    fn matches_a_triple_loop_on_random_shapes_strides_and_modes() {
-        let mut rng = ChaCha8Rng::seed_from_u64(21);
+    /// Random shapes (up to 80, so that every tile width of both kernels and their edges
+    /// occur), strides and modes, on both kernels, against the triple loop: bit for bit.
+    fn check_random_shapes<T: Real>(seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
         for case in 0..400 {
             let (m, n, k) = (
-                rng.random_range(1..40),
-                rng.random_range(1..40),
-                rng.random_range(1..40),
+                rng.random_range(1..80),
+                rng.random_range(1..80),
+                rng.random_range(1..80),
             );
             let tri = match case % 3 {
                 0 => Tri::Full,
@@ -444,19 +614,19 @@ mod tests {
                 (1, m + pad)
             };
             let off = rng.random_range(0..5);
-            let mut a_data: Vec<f64> = (0..off + m * k * (2 + pad) + 4)
-                .map(|_| rng.random_range(-1.0..1.0))
+            let mut a_data: Vec<T> = (0..off + m * k * (2 + pad) + 4)
+                .map(|_| T::lit(rng.random_range(-1.0..1.0)))
                 .collect();
             if tri == Tri::LowerA {
                 for i in 0..m {
                     for kk in i + 1..k {
-                        a_data[off + i * rs + kk * cs] = 0.0;
+                        a_data[off + i * rs + kk * cs] = T::zero();
                     }
                 }
             }
             let b_rs = n + rng.random_range(0..3);
-            let b_data: Vec<f64> = (0..k * b_rs + 3)
-                .map(|_| rng.random_range(-1.0..1.0))
+            let b_data: Vec<T> = (0..k * b_rs + 3)
+                .map(|_| T::lit(rng.random_range(-1.0..1.0)))
                 .collect();
             let a = Mat {
                 data: &a_data,
@@ -471,25 +641,37 @@ mod tests {
                 cs: 1,
             };
             let ldc = n + 1;
-            let c0: Vec<f64> = (0..m * ldc).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let (mut got, mut want) = (c0.clone(), c0.clone());
-            gemm((m, n, k), a, b, &mut got, ldc, accumulate, tri);
+            let c0: Vec<T> = (0..m * ldc)
+                .map(|_| T::lit(rng.random_range(-1.0..1.0)))
+                .collect();
+            let mut want = c0.clone();
             reference((m, n, k), &a, &b, &mut want, ldc, accumulate, tri);
-            // LowerA skips exact zeros only; same order, so the results are identical
-            // (up to the sign of zero).
-            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
-                let (i, j) = (idx / ldc, idx % ldc);
-                if tri == Tri::LowerC && j > i && j < n {
-                    // may or may not be computed (tile granularity): either the old value or
-                    // the product
-                    continue;
+            for kernels in [Kernels::Avx2, Kernels::Avx512] {
+                let mut got = c0.clone();
+                gemm_on(kernels, (m, n, k), a, b, &mut got, ldc, accumulate, tri);
+                // LowerA skips exact zeros only; same order, so the results are identical
+                // (up to the sign of zero).
+                for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let (i, j) = (idx / ldc, idx % ldc);
+                    if tri == Tri::LowerC && j > i && j < n {
+                        // may or may not be computed (tile granularity): either the old value
+                        // or the product
+                        continue;
+                    }
+                    assert!(
+                        g == w,
+                        "{kernels:?}, case {case} ({m}x{n}x{k}, {tri:?}) at ({i}, {j}): {g} vs {w}"
+                    );
                 }
-                assert!(
-                    g == w,
-                    "case {case} ({m}x{n}x{k}, {tri:?}) at ({i}, {j}): {g} vs {w}"
-                );
             }
         }
+    }
+
+    #[test]
+    fn matches_a_triple_loop_on_random_shapes_strides_and_modes() {
+        check_random_shapes::<f64>(21);
+        check_random_shapes::<f32>(23);
+        println!("kernels of this processor: {:?}", Kernels::detect());
     }
 
     #[test]
