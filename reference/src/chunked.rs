@@ -22,6 +22,7 @@ use crate::chunk_cumsum::{chunk_cumsum, ChunkCumsum};
 use crate::compute_out::{compute_out, out_block, transpose_into, Cell, HeadStates, OutScratch};
 use crate::flat::Flat;
 use crate::fwd_pass_state::{fwd_pass_state, local_state_t, pass_scale, StateScratch};
+use crate::gemm::Epilogue;
 use crate::prefetch;
 use crate::{MatmulPrecision, Output, Problem, Real};
 
@@ -344,7 +345,6 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
             .collect();
         let mut out_sc = OutScratch::default();
         let mut st_sc = StateScratch::default();
-        let mut local_t = vec![T::zero(); n];
         for c in 0..nc {
             for gi in 0..groups.len() {
                 // The next (group, chunk) of this task, whose rows are prefetched.
@@ -416,13 +416,12 @@ fn fused_sweep<T: Real, O: Cell<T> + Send>(
                     // x_c as out_block left it for this head
                     let x_c = &out_sc.x_copy[kh * l * d.headdim..(kh + 1) * l * d.headdim];
                     let b_t = &out_sc.b_t[..d.dstate * l];
-                    local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, &mut local_t);
                     let (scale, seq) = pass_scale(&f, (b, h, c), *seq_prev);
                     seq_new = seq;
+                    // run = scale run + states_c, as the product stores states_c
+                    let epi = Epilogue::ScaleAdd(scale);
+                    local_state_t(&f, (b, c, h), b_t, x_c, &mut st_sc, run_h, epi);
                     prefetch_step();
-                    for (r, &own) in run_h.iter_mut().zip(&local_t) {
-                        *r = scale.mul_add(*r, own);
-                    }
                 }
                 for _ in 0..PF_STEPS {
                     prefetch_step();

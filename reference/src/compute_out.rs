@@ -32,7 +32,7 @@ use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::flat::Flat;
-use crate::gemm::{gemm, Mat, Tri};
+use crate::gemm::{gemm, Epilogue, Mat, Tri};
 use crate::problem::gate;
 use crate::{MatmulPrecision, Problem, Real};
 
@@ -382,7 +382,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         Mat::rows(b_t, l),
         gm,
         l,
-        false,
+        Epilogue::Store,
         Tri::LowerC,
     );
     between();
@@ -423,22 +423,24 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
                 }
             }
         };
+        e.copy_from_slice(cum);
+        T::exp_all(e);
+        for (ev, &sq) in e.iter_mut().zip(seq.iter()) {
+            if sq != seq_prev {
+                *ev = T::zero();
+            }
+        }
+        // (each row of the product times its e_i as the product stores it)
         gemm(
             (l, hd, ds),
             c_c,
             Mat::rows(s_t, hd),
             y,
             hd,
-            false,
+            Epilogue::ScaleRows(e),
             Tri::Full,
         );
         between();
-        e.copy_from_slice(cum);
-        T::exp_all(e);
-        for ((row, &ev), &sq) in y.chunks_exact_mut(hd).zip(e.iter()).zip(seq.iter()) {
-            let ev = if sq == seq_prev { ev } else { T::zero() };
-            row.iter_mut().for_each(|v| *v = *v * ev);
-        }
         // Lmat: causal (j <= i), same sequence, decayed; exp only where j <= i.
         for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
             let lrow = &mut lrow[..=r];
@@ -477,7 +479,7 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
             Mat::rows(x_copy, hd),
             y,
             hd,
-            true,
+            Epilogue::Add,
             Tri::LowerA,
         );
         between();

@@ -41,7 +41,7 @@ use rayon::prelude::*;
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::compute_out::{copy_x_c, round_all, scratch};
 use crate::flat::Flat;
-use crate::gemm::{gemm, Mat, Tri};
+use crate::gemm::{gemm, Epilogue, Mat, Tri};
 use crate::{MatmulPrecision, Problem, Real};
 
 /// Output of [`fwd_pass_state`].
@@ -165,7 +165,7 @@ pub(crate) fn local_state_with_x<T: Real>(
         Mat::rows(wb, ds),
         out,
         ds,
-        false,
+        Epilogue::Store,
         Tri::Full,
     );
 }
@@ -191,7 +191,8 @@ fn masked_weights<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize), w:
     }
 }
 
-/// [`local_state_with_x`] transposed: `out_t = states_c^T` (`dstate x headdim`, row-major),
+/// [`local_state_with_x`] transposed: `states_c^T` (`dstate x headdim`, row-major) into
+/// `out_t` through `epi` (the fused schedule's state pass: `out_t = scale out_t + states_c^T`),
 /// given `B_c^T` (`dstate x L`, not rounded) and `x_c` as [`copy_x_c`] makes it. Every entry
 /// is the same fused multiply-add chain as in [`local_state_with_x`] (`diag(w) B_c` has the
 /// same entries, the sum runs over the tokens in the same order), so the bits are the same.
@@ -202,6 +203,7 @@ pub(crate) fn local_state_t<T: Real>(
     x_c: &[T],
     sc: &mut StateScratch<T>,
     out_t: &mut [T],
+    epi: Epilogue<'_, T>,
 ) {
     let d = *f.p.dims();
     let (hd, ds) = (d.headdim, d.dstate);
@@ -224,7 +226,7 @@ pub(crate) fn local_state_t<T: Real>(
         Mat::rows(x_c, hd),
         out_t,
         hd,
-        false,
+        epi,
         Tri::Full,
     );
 }

@@ -11,8 +11,9 @@
 //! and FMA (the default here, `.cargo/config.toml`), a generic loop otherwise.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
-//! increasing `k`, starting from 0; with `accumulate`, that sum is then added to the old
-//! `c[i, j]` (one more rounding). The result does not depend on the tile sizes.
+//! increasing `k`, starting from 0; the [`Epilogue`] then stores that sum, or combines it with
+//! the old `c[i, j]` or a row factor (one more rounding). The result does not depend on the
+//! tile sizes, and is the same as storing the sum and applying the epilogue in a later pass.
 
 use crate::Real;
 
@@ -51,6 +52,33 @@ pub(crate) enum Tri {
     LowerC,
 }
 
+/// What a product does with each sum `s = sum_k a[i, k] b[k, j]` (one rounding each, so the
+/// bits are those of storing `s` and applying the same operation in a later pass over `c`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Epilogue<'a, T> {
+    /// `c[i, j] = s`
+    Store,
+    /// `c[i, j] = c[i, j] + s`
+    Add,
+    /// `c[i, j] = f c[i, j] + s` (one fused multiply-add): a decayed state plus a chunk's own.
+    ScaleAdd(T),
+    /// `c[i, j] = s f[i]` (`f` has an entry per row of `c`).
+    ScaleRows(&'a [T]),
+}
+
+impl<T: Real> Epilogue<'_, T> {
+    /// The new `c[i, j]` from the old one and the sum (row `i`).
+    #[inline(always)]
+    fn apply(&self, old: T, s: T, i: usize) -> T {
+        match *self {
+            Epilogue::Store => s,
+            Epilogue::Add => old + s,
+            Epilogue::ScaleAdd(f) => f.mul_add(old, s),
+            Epilogue::ScaleRows(f) => s * f[i],
+        }
+    }
+}
+
 /// The register-tile kernels a product runs on: AVX2 (16 vector registers of 256 bits) or,
 /// where the processor has it (detected at run time), AVX-512 (32 registers of 512 bits).
 /// Both compute every entry by the same fused multiply-adds in the same order: the same bits.
@@ -80,12 +108,13 @@ impl Kernels {
     }
 }
 
-/// `c = a b` (or `c += a b` with `accumulate`) for `a` `m x k`, `b` `k x n` (`b.cs == 1`),
-/// `c` `m x n` row-major with row stride `ldc`, restricted by `tri`, on the widest kernels
-/// the processor runs ([`Kernels::detect`]).
+/// `c = a b`, or another [`Epilogue`], for `a` `m x k`, `b` `k x n` (`b.cs == 1`), `c` `m x n`
+/// row-major with row stride `ldc`, restricted by `tri`, on the widest kernels the processor
+/// runs ([`Kernels::detect`]).
 ///
 /// # Panics
-/// If `b.cs != 1` or an operand is too short for its shape.
+/// If `b.cs != 1`, an operand is too short for its shape, or a row factor of
+/// [`Epilogue::ScaleRows`] is missing.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: Real>(
     shape: (usize, usize, usize),
@@ -93,10 +122,10 @@ pub(crate) fn gemm<T: Real>(
     b: Mat<'_, T>,
     c: &mut [T],
     ldc: usize,
-    accumulate: bool,
+    epi: Epilogue<'_, T>,
     tri: Tri,
 ) {
-    gemm_on(Kernels::detect(), shape, a, b, c, ldc, accumulate, tri);
+    gemm_on(Kernels::detect(), shape, a, b, c, ldc, epi, tri);
 }
 
 /// [`gemm`] on the given kernels (the tests run both where the processor has AVX-512;
@@ -109,12 +138,15 @@ pub(crate) fn gemm_on<T: Real>(
     b: Mat<'_, T>,
     c: &mut [T],
     ldc: usize,
-    accumulate: bool,
+    epi: Epilogue<'_, T>,
     tri: Tri,
 ) {
     assert_eq!(b.cs, 1, "b must have contiguous rows");
+    if let Epilogue::ScaleRows(f) = epi {
+        assert!(f.len() >= m, "a row factor per row of c");
+    }
     let wide = kernels == Kernels::Avx512 && Kernels::detect() == Kernels::Avx512;
-    let args = ((m, n, k), a, b, c, ldc, accumulate, tri, wide);
+    let args = ((m, n, k), a, b, c, ldc, epi, tri, wide);
     match (std::mem::size_of::<T>() == 8, wide) {
         (true, false) => tiles::<T, 4, 12, 8, 4, 4>(args),
         (true, true) => tiles::<T, 4, 32, 16, 8, 4>(args),
@@ -130,7 +162,7 @@ type TileArgs<'a, 'c, T> = (
     Mat<'a, T>,
     &'c mut [T],
     usize,
-    bool,
+    Epilogue<'a, T>,
     Tri,
     bool,
 );
@@ -149,7 +181,7 @@ fn tiles<
     const NR2: usize,
     const NR3: usize,
 >(
-    ((m, n, k), a, b, c, ldc, accumulate, tri, wide): TileArgs<'_, '_, T>,
+    ((m, n, k), a, b, c, ldc, epi, tri, wide): TileArgs<'_, '_, T>,
 ) {
     let mut i0 = 0;
     while i0 < m {
@@ -163,16 +195,10 @@ fn tiles<
         let mut j0 = 0;
         if mr == MR {
             let tile = |j0: usize, nr: usize, c: &mut [T]| match nr {
-                _ if nr == NR => {
-                    full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
-                }
-                _ if nr == NRM => {
-                    full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
-                }
-                _ if nr == NR2 => {
-                    full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, accumulate, wide)
-                }
-                _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, accumulate, wide),
+                _ if nr == NR => full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+                _ if nr == NRM => full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+                _ if nr == NR2 => full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+                _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, epi, wide),
             };
             loop {
                 let rem = n_end - j0;
@@ -204,7 +230,7 @@ fn tiles<
                     sum = av.mul_add(b.data[b.off + kk * b.rs + q], sum);
                 }
                 let cv = &mut c[(i0 + r) * ldc + q];
-                *cv = if accumulate { *cv + sum } else { sum };
+                *cv = epi.apply(*cv, sum, i0 + r);
             }
         }
         i0 += MR;
@@ -225,7 +251,7 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
     b: Mat<'_, T>,
     c: &mut [T],
     ldc: usize,
-    accumulate: bool,
+    epi: Epilogue<'_, T>,
     wide: bool,
 ) {
     #[cfg(all(
@@ -233,10 +259,7 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if MR == 4
-        && k_end > 0
-        && simd::full_tile((i0, j0, k_end), a, b, c, ldc, accumulate, (NR, wide))
-    {
+    if MR == 4 && k_end > 0 && simd::full_tile((i0, j0, k_end), a, b, c, ldc, epi, (NR, wide)) {
         return;
     }
     #[cfg(not(all(
@@ -260,11 +283,7 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
         let co = (i0 + r) * ldc + j0;
         let crow: &mut [T; NR] = (&mut c[co..co + NR]).try_into().expect("NR entries");
         for q in 0..NR {
-            crow[q] = if accumulate {
-                crow[q] + acc[r][q]
-            } else {
-                acc[r][q]
-            };
+            crow[q] = epi.apply(crow[q], acc[r][q], i0 + r);
         }
     }
 }
@@ -280,16 +299,16 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
     target_feature = "fma"
 ))]
 mod simd {
-    use super::Mat;
+    use super::{Epilogue, Mat};
     use crate::Real;
     use std::any::TypeId;
     use std::arch::x86_64::{
         __m256, __m256d, __m512, __m512d, _mm256_add_pd, _mm256_add_ps, _mm256_broadcast_sd,
         _mm256_broadcast_ss, _mm256_fmadd_pd, _mm256_fmadd_ps, _mm256_loadu_pd, _mm256_loadu_ps,
-        _mm256_setzero_pd, _mm256_setzero_ps, _mm256_storeu_pd, _mm256_storeu_ps, _mm512_add_pd,
-        _mm512_add_ps, _mm512_fmadd_pd, _mm512_fmadd_ps, _mm512_loadu_pd, _mm512_loadu_ps,
-        _mm512_set1_pd, _mm512_set1_ps, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_storeu_pd,
-        _mm512_storeu_ps,
+        _mm256_mul_pd, _mm256_mul_ps, _mm256_setzero_pd, _mm256_setzero_ps, _mm256_storeu_pd,
+        _mm256_storeu_ps, _mm512_add_pd, _mm512_add_ps, _mm512_fmadd_pd, _mm512_fmadd_ps,
+        _mm512_loadu_pd, _mm512_loadu_ps, _mm512_mul_pd, _mm512_mul_ps, _mm512_set1_pd,
+        _mm512_set1_ps, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_storeu_pd, _mm512_storeu_ps,
     };
 
     /// The `4 x nr` tile of `c` at `(i0, j0)` (see [`super::full_tile`]) when `T` is f64 or f32
@@ -303,7 +322,7 @@ mod simd {
         b: Mat<'_, T>,
         c: &mut [T],
         ldc: usize,
-        accumulate: bool,
+        epi: Epilogue<'_, T>,
         (nr, wide): (usize, bool),
     ) -> bool {
         let f64_elems = if TypeId::of::<T>() == TypeId::of::<f64>() {
@@ -338,7 +357,12 @@ mod simd {
             b_rs: b.rs,
             ldc,
             k_end,
-            accumulate,
+            epi: match &epi {
+                Epilogue::Store => Epi::Store,
+                Epilogue::Add => Epi::Add,
+                Epilogue::ScaleAdd(f) => Epi::ScaleAdd(std::ptr::from_ref(f).cast()),
+                Epilogue::ScaleRows(f) => Epi::ScaleRows(f[i0..i0 + 4].as_ptr().cast()),
+            },
         };
         // SAFETY: `T` is the element type of the vector chosen (f64 or f32, by `f64_elems`),
         // so the casts keep the element type; every offset the kernel forms lies within the
@@ -371,7 +395,17 @@ mod simd {
         b_rs: usize,
         ldc: usize,
         k_end: usize,
-        accumulate: bool,
+        epi: Epi,
+    }
+
+    /// [`Epilogue`] for the kernels, its factors by address (of the element type of the
+    /// kernel's vectors): the factor of `ScaleAdd`, the tile's first row's of `ScaleRows`.
+    #[derive(Clone, Copy)]
+    enum Epi {
+        Store,
+        Add,
+        ScaleAdd(*const ()),
+        ScaleRows(*const ()),
     }
 
     /// An AVX2 vector of f64 or f32 and the five operations the tile needs.
@@ -387,18 +421,19 @@ mod simd {
         /// `a b + c`, rounded once.
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
         unsafe fn add(a: Self, b: Self) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
         unsafe fn store(p: *mut Self::Elem, v: Self);
     }
 
     macro_rules! vector {
         ($(#[$attr:meta])*; $v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident,
-         $fmadd:ident, $add:ident, $store:ident) => {
+         $fmadd:ident, $add:ident, $mul:ident, $store:ident) => {
             // (unsafe blocks around the intrinsics that are safe inside an AVX-512 function)
             #[allow(unused_unsafe)]
             impl Vector for $v {
                 type Elem = $e;
                 const LANES: usize = $lanes;
-                // SAFETY (all six): AVX2 and FMA are enabled at compile time, and the AVX-512
+                // SAFETY (all seven): AVX2 and FMA are enabled at compile time, and the AVX-512
                 // versions (with `target_feature` attributes) are only called where the
                 // processor has AVX-512F; the caller passes pointers valid for the lanes read
                 // or written.
@@ -421,6 +456,10 @@ mod simd {
                 $(#[$attr])*
                 unsafe fn add(a: Self, b: Self) -> Self {
                     unsafe { $add(a, b) }
+                }
+                $(#[$attr])*
+                unsafe fn mul(a: Self, b: Self) -> Self {
+                    unsafe { $mul(a, b) }
                 }
                 $(#[$attr])*
                 unsafe fn store(p: *mut $e, v: Self) {
@@ -451,6 +490,7 @@ mod simd {
         splat_pd,
         _mm256_fmadd_pd,
         _mm256_add_pd,
+        _mm256_mul_pd,
         _mm256_storeu_pd
     );
     vector!(
@@ -463,6 +503,7 @@ mod simd {
         splat_ps,
         _mm256_fmadd_ps,
         _mm256_add_ps,
+        _mm256_mul_ps,
         _mm256_storeu_ps
     );
     vector!(
@@ -476,6 +517,7 @@ mod simd {
         _mm512_set1_pd,
         _mm512_fmadd_pd,
         _mm512_add_pd,
+        _mm512_mul_pd,
         _mm512_storeu_pd
     );
     vector!(
@@ -489,6 +531,7 @@ mod simd {
         _mm512_set1_ps,
         _mm512_fmadd_ps,
         _mm512_add_ps,
+        _mm512_mul_ps,
         _mm512_storeu_ps
     );
 
@@ -513,10 +556,16 @@ mod simd {
             for (r, acc_r) in acc.iter().enumerate() {
                 for (v, &acc_rv) in acc_r.iter().enumerate() {
                     let cp = c.add(r * g.ldc + <$V>::LANES * v);
-                    let val = if g.accumulate {
-                        <$V>::add(<$V>::load(cp), acc_rv)
-                    } else {
-                        acc_rv
+                    let val = match g.epi {
+                        Epi::Store => acc_rv,
+                        Epi::Add => <$V>::add(<$V>::load(cp), acc_rv),
+                        Epi::ScaleAdd(f) => {
+                            <$V>::fmadd(<$V>::splat(f.cast()), <$V>::load(cp), acc_rv)
+                        }
+                        Epi::ScaleRows(f) => {
+                            let f: *const <$V as Vector>::Elem = f.cast();
+                            <$V>::mul(acc_rv, <$V>::splat(f.add(r)))
+                        }
                     };
                     <$V>::store(cp, val);
                 }
@@ -524,12 +573,13 @@ mod simd {
         }};
     }
 
-    /// `c[r, j..j + LANES NV] (+)= sum_k a[r, k] b[k, j..]` for `r < 4`: one fused
-    /// multiply-add per `k`, in increasing `k`, then (with `accumulate`) one add.
+    /// `c[r, j..j + LANES NV]` from `sum_k a[r, k] b[k, j..]` for `r < 4`: one fused
+    /// multiply-add per `k`, in increasing `k`, then the epilogue (at most one rounding).
     ///
     /// # Safety
     /// The offsets `r * a_rs + k * a_cs` of `a`, `k * b_rs + LANES NV` of `b` and `r * ldc +
-    /// LANES NV` of `c` (`r < 4`, `k < k_end`) must be in bounds.
+    /// LANES NV` of `c` (`r < 4`, `k < k_end`) must be in bounds, and the epilogue's factors
+    /// (one, or one per row `r < 4`) valid for reads of the vectors' element type.
     #[inline]
     unsafe fn tile<V: Vector, const NV: usize>(
         a: *const V::Elem,
@@ -570,7 +620,7 @@ mod tests {
         b: &Mat<'_, T>,
         c: &mut [T],
         ldc: usize,
-        accumulate: bool,
+        epi: Epilogue<'_, T>,
         tri: Tri,
     ) {
         for i in 0..m {
@@ -584,7 +634,12 @@ mod tests {
                     s = av.mul_add(b.data[b.off + kk * b.rs + j], s);
                 }
                 let cv = &mut c[i * ldc + j];
-                *cv = if accumulate { *cv + s } else { s };
+                *cv = match epi {
+                    Epilogue::Store => s,
+                    Epilogue::Add => *cv + s,
+                    Epilogue::ScaleAdd(f) => f.mul_add(*cv, s),
+                    Epilogue::ScaleRows(f) => s * f[i],
+                };
             }
         }
     }
@@ -605,7 +660,15 @@ mod tests {
                 _ => Tri::LowerC,
             };
             let k = if tri == Tri::LowerA { m } else { k };
-            let accumulate = case % 2 == 0;
+            let factors: Vec<T> = (0..m)
+                .map(|_| T::lit(rng.random_range(-2.0..2.0)))
+                .collect();
+            let epi = match case % 8 {
+                0 | 4 => Epilogue::Store,
+                1 | 5 => Epilogue::Add,
+                2 | 6 => Epilogue::ScaleAdd(T::lit(rng.random_range(0.0..1.0))),
+                _ => Epilogue::ScaleRows(&factors),
+            };
             // a stored transposed half of the time, with padding between rows/columns
             let pad = rng.random_range(0..3);
             let (rs, cs) = if case % 4 < 2 {
@@ -645,10 +708,10 @@ mod tests {
                 .map(|_| T::lit(rng.random_range(-1.0..1.0)))
                 .collect();
             let mut want = c0.clone();
-            reference((m, n, k), &a, &b, &mut want, ldc, accumulate, tri);
+            reference((m, n, k), &a, &b, &mut want, ldc, epi, tri);
             for kernels in [Kernels::Avx2, Kernels::Avx512] {
                 let mut got = c0.clone();
-                gemm_on(kernels, (m, n, k), a, b, &mut got, ldc, accumulate, tri);
+                gemm_on(kernels, (m, n, k), a, b, &mut got, ldc, epi, tri);
                 // LowerA skips exact zeros only; same order, so the results are identical
                 // (up to the sign of zero).
                 for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -660,7 +723,8 @@ mod tests {
                     }
                     assert!(
                         g == w,
-                        "{kernels:?}, case {case} ({m}x{n}x{k}, {tri:?}) at ({i}, {j}): {g} vs {w}"
+                        "{kernels:?}, case {case} ({m}x{n}x{k}, {tri:?}, {epi:?}) at ({i}, {j}): \
+                         {g} vs {w}"
                     );
                 }
             }
@@ -690,7 +754,7 @@ mod tests {
             Mat::rows(&b, n),
             &mut c,
             n,
-            false,
+            Epilogue::Store,
             Tri::Full,
         );
         gemm(
@@ -699,7 +763,7 @@ mod tests {
             Mat::rows(&b64, n),
             &mut c64,
             n,
-            false,
+            Epilogue::Store,
             Tri::Full,
         );
         // each f32 entry: k fused multiply-adds of terms <= 1: |error| <= k * u32 * sum|terms|

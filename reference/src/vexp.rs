@@ -21,6 +21,23 @@
 
 /// `v = exp(v)` for every entry (f64, see the module documentation).
 pub(crate) fn exp_f64(v: &mut [f64]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the processor has AVX-512F (checked just above).
+        unsafe { exp_f64_512(v) };
+        return;
+    }
+    exp_f64_body(v);
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_f64_512(v: &mut [f64]) {
+    exp_f64_body(v);
+}
+
+#[inline(always)]
+fn exp_f64_body(v: &mut [f64]) {
     const LOG2E: f64 = std::f64::consts::LOG2_E;
     const LN2_HI: f64 = std::f64::consts::LN_2;
     // ln 2 - LN2_HI, the next 53 bits of ln 2
