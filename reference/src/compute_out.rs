@@ -445,17 +445,14 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
             let lrow = &mut lrow[..=r];
             let grow = &gm[r * l..=r * l + r];
-            for (lv, &ck) in lrow.iter_mut().zip(cum) {
-                *lv = cum[r] - ck;
-            }
-            T::exp_all(lrow);
             if one_seq {
-                // The same products without the per-entry test, which kept LLVM from
-                // vectorising the loop.
-                for ((lv, &gv), &dk) in lrow.iter_mut().zip(grow).zip(dt) {
-                    *lv = gv * *lv * dk;
-                }
+                // One pass, without a per-entry test (which kept LLVM from vectorising).
+                T::decay_row(cum[r], cum, grow, dt, lrow);
             } else {
+                for (lv, &ck) in lrow.iter_mut().zip(cum) {
+                    *lv = cum[r] - ck;
+                }
+                T::exp_all(lrow);
                 for (((lv, &gv), &dk), &sk) in lrow.iter_mut().zip(grow).zip(dt).zip(seq.iter()) {
                     *lv = if sk == seq[r] {
                         gv * *lv * dk

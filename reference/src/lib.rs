@@ -68,6 +68,10 @@ pub trait Real:
     /// Replaces every entry of `values` by its exponential, in vectorised code (within 2 ulp of
     /// the C library's `exp`; `exp(0) = 1` exactly). The chunked path's decays use it.
     fn exp_all(values: &mut [Self]);
+    /// `out[j] = (g[j] exp(c - cs[j])) dt[j]` for `j < out.len()`, with [`Real::exp_all`]'s
+    /// exponential and each product rounded in that order: a row of the chunked path's
+    /// decayed `C B^T` in one pass.
+    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]);
 }
 
 impl Real for f64 {
@@ -87,6 +91,10 @@ impl Real for f64 {
     fn exp_all(values: &mut [Self]) {
         vexp::exp_f64(values);
     }
+    #[inline]
+    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]) {
+        vexp::decay_row_f64(c, cs, g, dt, out);
+    }
 }
 
 impl Real for f32 {
@@ -105,6 +113,10 @@ impl Real for f32 {
     #[inline]
     fn exp_all(values: &mut [Self]) {
         vexp::exp_f32(values);
+    }
+    #[inline]
+    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]) {
+        vexp::decay_row_f32(c, cs, g, dt, out);
     }
 }
 
