@@ -167,12 +167,17 @@ type TileArgs<'a, 'c, T> = (
     bool,
 );
 
-/// Row blocks of `MR`; in each, column tiles of `NR` (three AVX2 or four AVX-512 vectors:
-/// twelve or sixteen independent accumulators), then of `NRM` (two vectors: still enough
-/// accumulators to keep the FMA pipes busy), then of `NR2` (one vector), then of `NR3` (one
-/// AVX2 vector, when `NR2` is an AVX-512 one), then single entries. The split prefers two
-/// `NRM` tiles to one `NR` tile followed by a latency-bound `NR2` tile: 64 columns of f64 are
-/// 4 x 12 + 2 x 8 on AVX2, not 5 x 12 + 4.
+/// Tiles of `MR` rows by `NR` columns (three AVX2 or four AVX-512 vectors: twelve or sixteen
+/// independent accumulators), then `NRM` (two vectors: still enough accumulators to keep the
+/// FMA pipes busy), then `NR2` (one vector), then `NR3` (one AVX2 vector, when `NR2` is an
+/// AVX-512 one), then single entries. The split prefers two `NRM` tiles to one `NR` tile
+/// followed by a latency-bound `NR2` tile: 64 columns of f64 are 4 x 12 + 2 x 8 on AVX2, not
+/// 5 x 12 + 4.
+///
+/// Column panel by column panel, each through every row block (`Full`, `LowerA`): the panel
+/// of `b` (`k x NR`, 16 KB at 64 x 32 f64) stays in L1 while the row blocks pass, where row
+/// block by row block all of `b` went through L1 once per 4 rows. `LowerC`, whose column
+/// range ends at each row block's diagonal, goes row block by row block.
 fn tiles<
     T: Real,
     const MR: usize,
@@ -183,58 +188,73 @@ fn tiles<
 >(
     ((m, n, k), a, b, c, ldc, epi, tri, wide): TileArgs<'_, '_, T>,
 ) {
-    let mut i0 = 0;
-    while i0 < m {
-        let mr = MR.min(m - i0);
-        let (k_end, n_end) = match tri {
-            Tri::Full => (k, n),
-            Tri::LowerA => ((i0 + mr).min(k), n),
-            // column tiles up to the diagonal (a few entries right of it come along)
-            Tri::LowerC => (k, (i0 + mr).next_multiple_of(NR3).min(n)),
-        };
-        let mut j0 = 0;
-        if mr == MR {
-            let tile = |j0: usize, nr: usize, c: &mut [T]| match nr {
-                _ if nr == NR => full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-                _ if nr == NRM => full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-                _ if nr == NR2 => full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-                _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-            };
-            loop {
-                let rem = n_end - j0;
-                if rem == NR || rem >= NR + NRM {
-                    tile(j0, NR, c);
-                    j0 += NR;
-                } else if rem >= NRM {
-                    tile(j0, NRM, c);
-                    j0 += NRM;
-                } else {
-                    break;
-                }
-            }
-            while j0 + NR2 <= n_end {
-                tile(j0, NR2, c);
-                j0 += NR2;
-            }
-            while j0 + NR3 <= n_end {
-                tile(j0, NR3, c);
-                j0 += NR3;
-            }
+    // The width of the next column tile when `rem` columns are left (None: single entries).
+    let next = |rem: usize| {
+        if rem == NR || rem >= NR + NRM {
+            Some(NR)
+        } else if rem >= NRM {
+            Some(NRM)
+        } else if rem >= NR2 {
+            Some(NR2)
+        } else if rem >= NR3 {
+            Some(NR3)
+        } else {
+            None
         }
-        // Edge entries: the same sums, one entry at a time.
-        for r in 0..mr {
-            for q in j0..n_end {
+    };
+    let tile = |(i0, j0, k_end): (usize, usize, usize), nr: usize, c: &mut [T]| match nr {
+        _ if nr == NR => full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+        _ if nr == NRM => full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+        _ if nr == NR2 => full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+        _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+    };
+    // Entries one at a time: the same sums.
+    let single = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, c: &mut [T]| {
+        for i in rows {
+            let k_end = match tri {
+                Tri::Full | Tri::LowerC => k,
+                Tri::LowerA => (i / MR * MR + MR).min(m).min(k),
+            };
+            for q in cols.clone() {
                 let mut sum = T::zero();
                 for kk in 0..k_end {
-                    let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+                    let av = a.data[a.off + i * a.rs + kk * a.cs];
                     sum = av.mul_add(b.data[b.off + kk * b.rs + q], sum);
                 }
-                let cv = &mut c[(i0 + r) * ldc + q];
-                *cv = epi.apply(*cv, sum, i0 + r);
+                let cv = &mut c[i * ldc + q];
+                *cv = epi.apply(*cv, sum, i);
             }
         }
-        i0 += MR;
+    };
+    let full_m = m / MR * MR;
+    if tri != Tri::LowerC {
+        let mut j0 = 0;
+        while let Some(nr) = next(n - j0) {
+            for i0 in (0..full_m).step_by(MR) {
+                let k_end = match tri {
+                    Tri::LowerA => (i0 + MR).min(k),
+                    _ => k,
+                };
+                tile((i0, j0, k_end), nr, c);
+            }
+            j0 += nr;
+        }
+        single(0..full_m, j0..n, c);
+        single(full_m..m, 0..n, c);
+        return;
     }
+    for i0 in (0..full_m).step_by(MR) {
+        // column tiles up to the diagonal (a few entries right of it come along)
+        let n_end = (i0 + MR).next_multiple_of(NR3).min(n);
+        let mut j0 = 0;
+        while let Some(nr) = next(n_end - j0) {
+            tile((i0, j0, k), nr, c);
+            j0 += nr;
+        }
+        single(i0..i0 + MR, j0..n_end, c);
+    }
+    let n_end = m.next_multiple_of(NR3).min(n);
+    single(full_m..m, 0..n_end, c);
 }
 
 /// One full `MR x NR` tile of `c` at `(i0, j0)`, summing `k` from 0 to `k_end`: in AVX2
