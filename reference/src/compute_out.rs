@@ -442,13 +442,14 @@ pub(crate) fn out_block<T: Real, O: Cell<T>>(
         );
         between();
         // Lmat: causal (j <= i), same sequence, decayed; exp only where j <= i.
+        if one_seq {
+            // One pass over the triangle, without a per-entry sequence test.
+            T::decay_lower(l, cum, gm, dt, lmat);
+        }
         for (r, lrow) in lmat.chunks_exact_mut(l).enumerate() {
             let lrow = &mut lrow[..=r];
             let grow = &gm[r * l..=r * l + r];
-            if one_seq {
-                // One pass, without a per-entry test (which kept LLVM from vectorising).
-                T::decay_row(cum[r], cum, grow, dt, lrow);
-            } else {
+            if !one_seq {
                 for (lv, &ck) in lrow.iter_mut().zip(cum) {
                     *lv = cum[r] - ck;
                 }

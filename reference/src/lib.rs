@@ -68,10 +68,12 @@ pub trait Real:
     /// Replaces every entry of `values` by its exponential, in vectorised code (within 2 ulp of
     /// the C library's `exp`; `exp(0) = 1` exactly). The chunked path's decays use it.
     fn exp_all(values: &mut [Self]);
-    /// `out[j] = (g[j] exp(c - cs[j])) dt[j]` for `j < out.len()`, with [`Real::exp_all`]'s
-    /// exponential and each product rounded in that order: a row of the chunked path's
-    /// decayed `C B^T` in one pass.
-    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]);
+    /// The chunked path's decayed `C B^T` of a chunk in a single sequence, in one pass:
+    /// `lmat[i, j] = (g[i, j] exp(cs[i] - cs[j])) dt[j]` for `j <= i`, with
+    /// [`Real::exp_all`]'s exponential and each product rounded in that order; `lmat` and `g`
+    /// are `l x l` row-major. Entries right of the diagonal are 0 or left as they were, and
+    /// the exponential is evaluated only at `cs[i] - cs[j]` with `j <= i` (and at 0).
+    fn decay_lower(l: usize, cs: &[Self], g: &[Self], dt: &[Self], lmat: &mut [Self]);
 }
 
 impl Real for f64 {
@@ -92,8 +94,8 @@ impl Real for f64 {
         vexp::exp_f64(values);
     }
     #[inline]
-    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]) {
-        vexp::decay_row_f64(c, cs, g, dt, out);
+    fn decay_lower(l: usize, cs: &[Self], g: &[Self], dt: &[Self], lmat: &mut [Self]) {
+        vexp::decay_lower_f64(l, cs, g, dt, lmat);
     }
 }
 
@@ -115,8 +117,8 @@ impl Real for f32 {
         vexp::exp_f32(values);
     }
     #[inline]
-    fn decay_row(c: Self, cs: &[Self], g: &[Self], dt: &[Self], out: &mut [Self]) {
-        vexp::decay_row_f32(c, cs, g, dt, out);
+    fn decay_lower(l: usize, cs: &[Self], g: &[Self], dt: &[Self], lmat: &mut [Self]) {
+        vexp::decay_lower_f32(l, cs, g, dt, lmat);
     }
 }
 
