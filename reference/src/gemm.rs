@@ -202,11 +202,11 @@ fn tiles<
             None
         }
     };
-    let tile = |(i0, j0, k_end): (usize, usize, usize), nr: usize, c: &mut [T]| match nr {
-        _ if nr == NR => full_tile::<T, MR, NR>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-        _ if nr == NRM => full_tile::<T, MR, NRM>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-        _ if nr == NR2 => full_tile::<T, MR, NR2>((i0, j0, k_end), a, b, c, ldc, epi, wide),
-        _ => full_tile::<T, MR, NR3>((i0, j0, k_end), a, b, c, ldc, epi, wide),
+    let tile = |panel: Panel, nr: usize, c: &mut [T]| match nr {
+        _ if nr == NR => full_tiles::<T, MR, NR>(panel, a, b, c, ldc, epi, wide),
+        _ if nr == NRM => full_tiles::<T, MR, NRM>(panel, a, b, c, ldc, epi, wide),
+        _ if nr == NR2 => full_tiles::<T, MR, NR2>(panel, a, b, c, ldc, epi, wide),
+        _ => full_tiles::<T, MR, NR3>(panel, a, b, c, ldc, epi, wide),
     };
     // Entries one at a time: the same sums.
     let single = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, c: &mut [T]| {
@@ -230,13 +230,17 @@ fn tiles<
     if tri != Tri::LowerC {
         let mut j0 = 0;
         while let Some(nr) = next(n - j0) {
-            for i0 in (0..full_m).step_by(MR) {
-                let k_end = match tri {
-                    Tri::LowerA => (i0 + MR).min(k),
-                    _ => k,
-                };
-                tile((i0, j0, k_end), nr, c);
-            }
+            tile(
+                Panel {
+                    i0: 0,
+                    blocks: full_m / MR,
+                    j0,
+                    k,
+                    lower_a: tri == Tri::LowerA,
+                },
+                nr,
+                c,
+            );
             j0 += nr;
         }
         single(0..full_m, j0..n, c);
@@ -248,7 +252,14 @@ fn tiles<
         let n_end = (i0 + MR).next_multiple_of(NR3).min(n);
         let mut j0 = 0;
         while let Some(nr) = next(n_end - j0) {
-            tile((i0, j0, k), nr, c);
+            let panel = Panel {
+                i0,
+                blocks: 1,
+                j0,
+                k,
+                lower_a: false,
+            };
+            tile(panel, nr, c);
             j0 += nr;
         }
         single(i0..i0 + MR, j0..n_end, c);
@@ -257,16 +268,37 @@ fn tiles<
     single(full_m..m, 0..n_end, c);
 }
 
-/// One full `MR x NR` tile of `c` at `(i0, j0)`, summing `k` from 0 to `k_end`: in AVX2
-/// intrinsics where the build has AVX2 and FMA ([`simd`]), otherwise the loop below.
+/// A column of full tiles: row blocks `i0 + MR q` (`q < blocks`) at columns `j0..j0 + NR`,
+/// each summing `k` from 0 to `k` (or, with `lower_a`, to the block's last row + 1).
+#[derive(Debug, Clone, Copy)]
+struct Panel {
+    i0: usize,
+    blocks: usize,
+    j0: usize,
+    k: usize,
+    lower_a: bool,
+}
+
+impl Panel {
+    /// The end of the sum over `k` for row block `q`.
+    fn k_end<const MR: usize>(&self, q: usize) -> usize {
+        if self.lower_a {
+            (self.i0 + MR * q + MR).min(self.k)
+        } else {
+            self.k
+        }
+    }
+}
+
+/// The full `MR x NR` tiles of a [`Panel`] of `c`: in AVX2 or AVX-512 intrinsics where the
+/// build has AVX2 and FMA ([`simd`], one call for the whole panel), otherwise the loop below.
 // The loop is written with index loops over a local fixed-size accumulator that nothing else
 // touches: the shape in which LLVM's SLP vectoriser usually keeps the accumulators in vector
 // registers (not always: a variant with a second loop kept f32's in scalar stack slots).
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
-#[allow(clippy::too_many_arguments)]
-fn full_tile<T: Real, const MR: usize, const NR: usize>(
-    (i0, j0, k_end): (usize, usize, usize),
+fn full_tiles<T: Real, const MR: usize, const NR: usize>(
+    panel: Panel,
     a: Mat<'_, T>,
     b: Mat<'_, T>,
     c: &mut [T],
@@ -279,7 +311,7 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if MR == 4 && k_end > 0 && simd::full_tile((i0, j0, k_end), a, b, c, ldc, epi, (NR, wide)) {
+    if MR == 4 && simd::full_tiles(panel, a, b, c, ldc, epi, (NR, wide)) {
         return;
     }
     #[cfg(not(all(
@@ -288,22 +320,26 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
         target_feature = "fma"
     )))]
     let _ = wide;
-    let mut acc = [[T::zero(); NR]; MR];
-    for kk in 0..k_end {
-        let bo = b.off + kk * b.rs + j0;
-        let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
-        for r in 0..MR {
-            let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
-            for q in 0..NR {
-                acc[r][q] = av.mul_add(brow[q], acc[r][q]);
+    let j0 = panel.j0;
+    for q in 0..panel.blocks {
+        let i0 = panel.i0 + MR * q;
+        let mut acc = [[T::zero(); NR]; MR];
+        for kk in 0..panel.k_end::<MR>(q) {
+            let bo = b.off + kk * b.rs + j0;
+            let brow: &[T; NR] = b.data[bo..bo + NR].try_into().expect("NR entries");
+            for r in 0..MR {
+                let av = a.data[a.off + (i0 + r) * a.rs + kk * a.cs];
+                for q in 0..NR {
+                    acc[r][q] = av.mul_add(brow[q], acc[r][q]);
+                }
             }
         }
-    }
-    for r in 0..MR {
-        let co = (i0 + r) * ldc + j0;
-        let crow: &mut [T; NR] = (&mut c[co..co + NR]).try_into().expect("NR entries");
-        for q in 0..NR {
-            crow[q] = epi.apply(crow[q], acc[r][q], i0 + r);
+        for r in 0..MR {
+            let co = (i0 + r) * ldc + j0;
+            let crow: &mut [T; NR] = (&mut c[co..co + NR]).try_into().expect("NR entries");
+            for q in 0..NR {
+                crow[q] = epi.apply(crow[q], acc[r][q], i0 + r);
+            }
         }
     }
 }
@@ -319,7 +355,7 @@ fn full_tile<T: Real, const MR: usize, const NR: usize>(
     target_feature = "fma"
 ))]
 mod simd {
-    use super::{Epilogue, Mat};
+    use super::{Epilogue, Mat, Panel};
     use crate::Real;
     use std::any::TypeId;
     use std::arch::x86_64::{
@@ -336,8 +372,8 @@ mod simd {
     ///
     /// # Panics
     /// If an operand is too short for the tile.
-    pub(super) fn full_tile<T: Real>(
-        (i0, j0, k_end): (usize, usize, usize),
+    pub(super) fn full_tiles<T: Real>(
+        panel: Panel,
         a: Mat<'_, T>,
         b: Mat<'_, T>,
         c: &mut [T],
@@ -360,14 +396,24 @@ mod simd {
         if !zmm && (!nr.is_multiple_of(lanes) || !(1..=3).contains(&(nr / lanes))) {
             return false;
         }
+        let Panel { i0, blocks, j0, .. } = panel;
+        if blocks == 0 {
+            return true;
+        }
+        // The last row block reaches furthest in a, b and c (its sum runs longest); empty
+        // sums (k = 0) are left to the generic loop.
+        let (i_last, k_last) = (i0 + 4 * blocks - 4, panel.k_end::<4>(blocks - 1));
+        if k_last == 0 {
+            return false;
+        }
         // The extent of every read and write below, checked once.
-        let a_last = a.off + (i0 + 3) * a.rs + (k_end - 1) * a.cs;
-        assert!(a_last < a.data.len(), "a too short for the tile");
+        let a_last = a.off + (i_last + 3) * a.rs + (k_last - 1) * a.cs;
+        assert!(a_last < a.data.len(), "a too short for the tiles");
         assert!(
-            b.off + (k_end - 1) * b.rs + j0 + nr <= b.data.len(),
+            b.off + (k_last - 1) * b.rs + j0 + nr <= b.data.len(),
             "b too short"
         );
-        assert!((i0 + 3) * ldc + j0 + nr <= c.len(), "c too short");
+        assert!((i_last + 3) * ldc + j0 + nr <= c.len(), "c too short");
         let a_p = a.data[a.off + i0 * a.rs..].as_ptr();
         let b_p = b.data[b.off + j0..].as_ptr();
         let c_p = c[i0 * ldc + j0..].as_mut_ptr();
@@ -376,18 +422,22 @@ mod simd {
             a_cs: a.cs,
             b_rs: b.rs,
             ldc,
-            k_end,
+            blocks,
+            k: panel.k,
+            lower_a: panel.lower_a,
+            row0: i0,
             epi: match &epi {
                 Epilogue::Store => Epi::Store,
                 Epilogue::Add => Epi::Add,
                 Epilogue::ScaleAdd(f) => Epi::ScaleAdd(std::ptr::from_ref(f).cast()),
-                Epilogue::ScaleRows(f) => Epi::ScaleRows(f[i0..i0 + 4].as_ptr().cast()),
+                Epilogue::ScaleRows(f) => Epi::ScaleRows(f[i0..i0 + 4 * blocks].as_ptr().cast()),
             },
         };
         // SAFETY: `T` is the element type of the vector chosen (f64 or f32, by `f64_elems`),
         // so the casts keep the element type; every offset the kernel forms lies within the
-        // extents asserted above (rows i0..i0 + 4 of a up to column k_end - 1, rows 0..k_end
-        // of b and 4 rows of c over nr columns, a whole number of vectors). AVX2 and FMA are
+        // extents asserted above (rows i0..i_last + 4 of a up to column k_last - 1, rows
+        // 0..k_last of b and the same rows of c over nr columns, a whole number of vectors;
+        // each block's sum ends at or before k_last). AVX2 and FMA are
         // enabled at compile time; the AVX-512 kernels run only where `wide` says the
         // processor has AVX-512F (detected at run time, [`super::Kernels::detect`]).
         unsafe {
@@ -414,7 +464,13 @@ mod simd {
         a_cs: usize,
         b_rs: usize,
         ldc: usize,
-        k_end: usize,
+        /// Row blocks of 4, one after the other.
+        blocks: usize,
+        /// The sum runs over `0..k`, or with `lower_a` over `0..min(block's rows end, k)`.
+        k: usize,
+        lower_a: bool,
+        /// The first block's first row (for `lower_a`).
+        row0: usize,
         epi: Epi,
     }
 
@@ -558,48 +614,58 @@ mod simd {
     /// The body of [`tile`] and [`tile_512`] (the same code, compiled for AVX2 or AVX-512).
     macro_rules! tile_body {
         ($V:ty, $NV:expr, $a:expr, $b:expr, $c:expr, $g:expr) => {{
-            let (a, b, c, g) = ($a, $b, $c, $g);
-            let mut acc: [[$V; $NV]; 4] = [[<$V>::zero(); $NV]; 4];
-            for kk in 0..g.k_end {
-                let bp = b.add(kk * g.b_rs);
-                let mut bv: [$V; $NV] = [<$V>::zero(); $NV];
-                for (v, bvv) in bv.iter_mut().enumerate() {
-                    *bvv = <$V>::load(bp.add(<$V>::LANES * v));
-                }
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = <$V>::splat(a.add(r * g.a_rs + kk * g.a_cs));
-                    for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
-                        *acc_rv = <$V>::fmadd(av, bvv, *acc_rv);
+            let (a0, b, c0, g) = ($a, $b, $c, $g);
+            for blk in 0..g.blocks {
+                let (a, c) = (a0.add(4 * blk * g.a_rs), c0.add(4 * blk * g.ldc));
+                let k_end = if g.lower_a {
+                    (4 * blk + 4 + g.row0).min(g.k)
+                } else {
+                    g.k
+                };
+                let mut acc: [[$V; $NV]; 4] = [[<$V>::zero(); $NV]; 4];
+                for kk in 0..k_end {
+                    let bp = b.add(kk * g.b_rs);
+                    let mut bv: [$V; $NV] = [<$V>::zero(); $NV];
+                    for (v, bvv) in bv.iter_mut().enumerate() {
+                        *bvv = <$V>::load(bp.add(<$V>::LANES * v));
+                    }
+                    for (r, acc_r) in acc.iter_mut().enumerate() {
+                        let av = <$V>::splat(a.add(r * g.a_rs + kk * g.a_cs));
+                        for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
+                            *acc_rv = <$V>::fmadd(av, bvv, *acc_rv);
+                        }
                     }
                 }
-            }
-            for (r, acc_r) in acc.iter().enumerate() {
-                for (v, &acc_rv) in acc_r.iter().enumerate() {
-                    let cp = c.add(r * g.ldc + <$V>::LANES * v);
-                    let val = match g.epi {
-                        Epi::Store => acc_rv,
-                        Epi::Add => <$V>::add(<$V>::load(cp), acc_rv),
-                        Epi::ScaleAdd(f) => {
-                            <$V>::fmadd(<$V>::splat(f.cast()), <$V>::load(cp), acc_rv)
-                        }
-                        Epi::ScaleRows(f) => {
-                            let f: *const <$V as Vector>::Elem = f.cast();
-                            <$V>::mul(acc_rv, <$V>::splat(f.add(r)))
-                        }
-                    };
-                    <$V>::store(cp, val);
+                for (r, acc_r) in acc.iter().enumerate() {
+                    for (v, &acc_rv) in acc_r.iter().enumerate() {
+                        let cp = c.add(r * g.ldc + <$V>::LANES * v);
+                        let val = match g.epi {
+                            Epi::Store => acc_rv,
+                            Epi::Add => <$V>::add(<$V>::load(cp), acc_rv),
+                            Epi::ScaleAdd(f) => {
+                                <$V>::fmadd(<$V>::splat(f.cast()), <$V>::load(cp), acc_rv)
+                            }
+                            Epi::ScaleRows(f) => {
+                                let f: *const <$V as Vector>::Elem = f.cast();
+                                <$V>::mul(acc_rv, <$V>::splat(f.add(4 * blk + r)))
+                            }
+                        };
+                        <$V>::store(cp, val);
+                    }
                 }
             }
         }};
     }
 
-    /// `c[r, j..j + LANES NV]` from `sum_k a[r, k] b[k, j..]` for `r < 4`: one fused
-    /// multiply-add per `k`, in increasing `k`, then the epilogue (at most one rounding).
+    /// `c[r, j..j + LANES NV]` from `sum_k a[r, k] b[k, j..]` for the rows `r < 4 blocks`,
+    /// block by block: one fused multiply-add per `k`, in increasing `k` (to each block's
+    /// `k_end`), then the epilogue (at most one rounding).
     ///
     /// # Safety
     /// The offsets `r * a_rs + k * a_cs` of `a`, `k * b_rs + LANES NV` of `b` and `r * ldc +
-    /// LANES NV` of `c` (`r < 4`, `k < k_end`) must be in bounds, and the epilogue's factors
-    /// (one, or one per row `r < 4`) valid for reads of the vectors' element type.
+    /// LANES NV` of `c` (`r < 4 blocks`, `k` below the block's `k_end`) must be in bounds, and
+    /// the epilogue's factors (one, or one per row) valid for reads of the vectors' element
+    /// type.
     #[inline]
     unsafe fn tile<V: Vector, const NV: usize>(
         a: *const V::Elem,
