@@ -6,6 +6,15 @@
 //   dA_cumsum[b, h, c, l] = sum_{k <= l} dt'[k] * A[h]                (sequential: deterministic)
 // softplus(v) = v for v > 20, log1p(exp(v)) otherwise. Both outputs are [batch, nheads, nchunks,
 // chunk_size]; past seqlen dt' = 0, so the cumsum stays flat there.
+// dt' of one valid token: clamp(softplus?(v + dt_bias[h]), lo, hi), `bias` being dt_bias[h] or
+// ignored when `has_bias` is 0. Every stage-1 kernel computes it here, so all give the same bits.
+__device__ __forceinline__ float dt_processed(float v, int has_bias, float bias, int dt_softplus,
+                                              float dt_lo, float dt_hi) {
+    if (has_bias) v += bias;
+    if (dt_softplus) v = v > 20.0f ? v : log1pf(expf(v));
+    return fminf(fmaxf(v, dt_lo), dt_hi);
+}
+
 extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     const float* __restrict__ dt,       // [batch, seqlen, nheads]
     const float* __restrict__ A,        // [nheads]
@@ -44,12 +53,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
 #pragma unroll
             for (int k = 0; k < 16; ++k) {
                 float u = 0.0f;
-                if (l0 + k < valid) {
-                    u = v[k];
-                    if (dt_bias != nullptr) u += bias;
-                    if (dt_softplus) u = u > 20.0f ? u : log1pf(expf(u));
-                    u = fminf(fmaxf(u, dt_lo), dt_hi);
-                }
+                if (l0 + k < valid) u = dt_processed(v[k], dt_bias != nullptr, bias, dt_softplus, dt_lo, dt_hi);
                 v[k] = u;
                 cs = __fadd_rn(cs, __fmul_rn(u, a));
                 cv[k] = cs;
@@ -64,12 +68,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     }
     for (int l = 0; l < chunk_size; ++l) {
         float v = 0.0f;
-        if (l < valid) {
-            v = src[(i64)l * nheads];
-            if (dt_bias != nullptr) v += bias;
-            if (dt_softplus) v = v > 20.0f ? v : log1pf(expf(v));
-            v = fminf(fmaxf(v, dt_lo), dt_hi);
-        }
+        if (l < valid) v = dt_processed(src[(i64)l * nheads], dt_bias != nullptr, bias, dt_softplus, dt_lo, dt_hi);
         cs = __fadd_rn(cs, __fmul_rn(v, a));
         dt_out[out + l] = v;
         dA_cumsum[out + l] = cs;
@@ -121,12 +120,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_cumsum_tiled(
         const int l = (tid + 256 * k) / CS_HEADS;
         if (l >= chunk_size) break;  // l grows with k
         float u = 0.0f;
-        if (l < valid && head_ok) {
-            u = v[k];
-            if (dt_bias != nullptr) u += bias;
-            if (dt_softplus) u = u > 20.0f ? u : log1pf(expf(u));
-            u = fminf(fmaxf(u, dt_lo), dt_hi);
-        }
+        if (l < valid && head_ok) u = dt_processed(v[k], dt_bias != nullptr, bias, dt_softplus, dt_lo, dt_hi);
         s[l * (CS_HEADS + 1) + hh] = u;
     }
     __syncthreads();

@@ -243,11 +243,9 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
             // This block's rows of B and C (prefetched into L2 a head earlier) into L1, all at
             // once before they are copied: copied straight from L2, each row (4 KiB from the
             // last) waited for its lines in turn (the copies were 10% of a thread's time).
-            for k in 0..nt {
-                let bc = bc_row(t0 + k) + g * ds;
-                prefetch::rows_l1(f.bm, bc, 0, 1, ds);
-                prefetch::rows_l1(f.cm, bc, 0, 1, ds);
-            }
+            let bc0 = bc_row(t0) + g * ds;
+            prefetch::rows_l1(f.bm, bc0, bc_rs, nt, ds);
+            prefetch::rows_l1(f.cm, bc0, bc_rs, nt, ds);
             for k in 0..nt {
                 let t = t0 + k;
                 let dt = p.dt_processed(b, t, h);
