@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
     if (vec16) run_cb_out(outS, 0, rows); else outS = outN;
     std::vector<float> out64(nx, NAN);
     if (rows == 128) run_cb_out(out64, vec16, 64); else out64 = outN;
+    // the pair kernel (two units per block), where the host would launch it
+    const int units_per_group = H / G * ptiles;
+    const bool pairs = tmax >= 2 && vec16 && units_per_group % 2 == 0;
+    std::vector<float> outP(nx, NAN);
+    if (pairs)
+        launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96, [&] {
+            ssd_compute_out_pair(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), outP.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1); });
     run_old_out(cstN, outLN);
     // tol: max |diff| allowed, relative to max(max|ref|, 1). Version 2's kernels feed raw f32
     // operands and 2^x instead of TF32-rounded ones and exp (5e-3, about 10 TF32 units): a
@@ -135,5 +142,11 @@ int main(int argc, char** argv) {
         nans += cmp("scores 16-byte vs 4-byte copies", a, b2, 0.0);
     }
     nans += cmp("out 64-row blocks vs legacy", out64, outL, 5e-3);
+    if (pairs) {
+        nans += cmp("out pair kernel vs legacy", outP, outL, 5e-3);
+        nans += cmp("out pair kernel vs cb kernel", outP, outN, 5e-3);
+    } else {
+        printf("pair kernel: not applicable\n");
+    }
     printf("RESULT %s\n", nans ? "NAN or large difference" : "ok");
 }

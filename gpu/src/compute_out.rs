@@ -4,8 +4,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_smem_bytes, score_tiles,
-    CHUNK_CB_SMEM_BYTES, TILE_M, TILE_P,
+    compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_pairs, compute_out_smem_bytes,
+    score_tiles, CHUNK_CB_SMEM_BYTES, COMPUTE_OUT_PAIR_SMEM_BYTES, TILE_M, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -115,10 +115,19 @@ impl Gpu {
             // 16-byte copies of the x, C and state tiles: rows of 4-float multiples (every
             // CudaSlice allocation is 256-byte aligned).
             let vec = i32::from(d.headdim.is_multiple_of(4) && d.dstate.is_multiple_of(4));
-            let f = if rows == 128 {
-                &self.compute_out_cb128_fn
+            let pairs = self.pairs && compute_out_pairs(&d, t);
+            let (f, cfg) = if pairs {
+                // Two units (head, 64 headdim columns) per block, 128 rows, 256 threads.
+                let cfg = LaunchConfig {
+                    grid_dim: (cfg.grid_dim.0, cfg.grid_dim.1 / 2, cfg.grid_dim.2),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: COMPUTE_OUT_PAIR_SMEM_BYTES as u32,
+                };
+                (&self.compute_out_pair_fn, cfg)
+            } else if rows == 128 {
+                (&self.compute_out_cb128_fn, cfg)
             } else {
-                &self.compute_out_cb_fn
+                (&self.compute_out_cb_fn, cfg)
             };
             let mut launch = stream.launch_builder(f);
             launch
@@ -136,12 +145,15 @@ impl Gpu {
                 launch.arg(s);
             }
             launch.arg(&tmax).arg(&vec);
-            // SAFETY: the argument list matches `ssd_compute_out_cb` and `ssd_compute_out_cb128`
-            // in kernels/compute_out.cu, whose block size (2 * rows threads) and rows per block
-            // the grid above uses; every buffer was checked against the sizes, the scores were
-            // written by `ssd_chunk_cb` just before on this stream, and 73 KB or 109 KB of
-            // dynamic shared memory fit every device of compute capability 8.0 or newer (opt-in
-            // raised at load).
+            // SAFETY: the argument list matches `ssd_compute_out_cb`, `ssd_compute_out_cb128`
+            // and `ssd_compute_out_pair` in kernels/compute_out.cu, whose block size (2 * rows
+            // threads; 256 for pairs) and rows per block (128 for pairs) the grid above uses;
+            // the pair kernel's grid covers nheads * ptiles / 2 pairs (an even count per group,
+            // checked by `compute_out_pairs`, 16-byte copies only where `vec` holds); every
+            // buffer was checked against the sizes, the scores were written by `ssd_chunk_cb`
+            // just before on this stream, and the dynamic shared memory (73 KB, 109 KB, or
+            // 110 KB for pairs, which `pairs` checked against this device) was opted in at
+            // load.
             unsafe { launch.launch(cfg) }?;
             return Ok(());
         }

@@ -33,6 +33,7 @@ pub(crate) const STATE_PASSING: &str = "ssd_state_passing";
 pub(crate) const CHUNK_CB: &str = "ssd_chunk_cb";
 pub(crate) const COMPUTE_OUT_CB: &str = "ssd_compute_out_cb";
 pub(crate) const COMPUTE_OUT_CB128: &str = "ssd_compute_out_cb128";
+pub(crate) const COMPUTE_OUT_PAIR: &str = "ssd_compute_out_pair";
 
 /// The NVRTC target for a device of compute capability `major.minor`.
 ///

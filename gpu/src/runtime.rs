@@ -29,6 +29,11 @@ pub struct Gpu {
     pub(crate) chunk_cb_fn: CudaFunction,
     pub(crate) compute_out_cb_fn: CudaFunction,
     pub(crate) compute_out_cb128_fn: CudaFunction,
+    pub(crate) compute_out_pair_fn: CudaFunction,
+    /// Whether the output kernel over pairs of units may be used: its shared memory fits this
+    /// device, and `SSD_GPU_PAIR=0` was not set at [`Gpu::new`] (that keeps
+    /// `ssd_compute_out_cb128` everywhere, for comparison).
+    pub(crate) pairs: bool,
     /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
     /// state pass and the output kernel that computes its own scores), kept selectable for
     /// comparison. Version 2, the default, was validated on the H200 like version 1.
@@ -93,6 +98,7 @@ impl Gpu {
         let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
         let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
+        let compute_out_pair_fn = module.load_function(kernels::COMPUTE_OUT_PAIR)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
@@ -101,6 +107,7 @@ impl Gpu {
             &chunk_cb_fn,
             &compute_out_cb_fn,
             &compute_out_cb128_fn,
+            &compute_out_pair_fn,
             &chunk_state_local_fn,
             &chunk_state_local_wide_fn,
         ] {
@@ -110,6 +117,8 @@ impl Gpu {
             )?;
         }
         let legacy = std::env::var("SSD_GPU_V1").is_ok_and(|v| v == "1");
+        let pairs = max_smem_optin >= shape::COMPUTE_OUT_PAIR_SMEM_BYTES
+            && !std::env::var("SSD_GPU_PAIR").is_ok_and(|v| v == "0");
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
         let stream = ctx.default_stream();
@@ -125,6 +134,8 @@ impl Gpu {
             chunk_cb_fn,
             compute_out_cb_fn,
             compute_out_cb128_fn,
+            compute_out_pair_fn,
+            pairs,
             legacy,
             target,
             name,
@@ -145,6 +156,88 @@ impl Gpu {
     /// The device's name as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.name
+    }
+
+    /// Registers and local memory (spills) per thread of each kernel, and how many of its
+    /// blocks fit one SM at the block size and dynamic shared memory the host launches it
+    /// with (the largest, for the kernels whose shared memory grows with `dstate`: dstate 256):
+    /// `(name, registers, local bytes, blocks per SM)`. For benchmarks and profiles.
+    ///
+    /// # Errors
+    /// [`GpuError::Driver`] when the driver cannot answer.
+    pub fn kernel_resources(&self) -> Result<Vec<(&'static str, i32, i32, u32)>, GpuError> {
+        let kernels = [
+            (kernels::CHUNK_CUMSUM, &self.chunk_cumsum_fn, 128, 0),
+            (
+                kernels::CHUNK_CUMSUM_TILED,
+                &self.chunk_cumsum_tiled_fn,
+                256,
+                0,
+            ),
+            (
+                kernels::CHUNK_STATE_LOCAL,
+                &self.chunk_state_local_fn,
+                128,
+                shape::CHUNK_STATE_LOCAL_SMEM_BYTES,
+            ),
+            (
+                kernels::CHUNK_STATE_LOCAL_WIDE,
+                &self.chunk_state_local_wide_fn,
+                256,
+                shape::CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
+            ),
+            (kernels::STATE_PASSING, &self.state_passing_fn, 256, 0),
+            (
+                kernels::CHUNK_CB,
+                &self.chunk_cb_fn,
+                128,
+                shape::CHUNK_CB_SMEM_BYTES,
+            ),
+            (
+                kernels::COMPUTE_OUT_CB,
+                &self.compute_out_cb_fn,
+                128,
+                shape::compute_out_cb_smem_bytes(64),
+            ),
+            (
+                kernels::COMPUTE_OUT_CB128,
+                &self.compute_out_cb128_fn,
+                256,
+                shape::compute_out_cb_smem_bytes(128),
+            ),
+            (
+                kernels::COMPUTE_OUT_PAIR,
+                &self.compute_out_pair_fn,
+                256,
+                shape::COMPUTE_OUT_PAIR_SMEM_BYTES,
+            ),
+            (kernels::FWD_PASS_STATE, &self.fwd_pass_state_fn, 128, 0),
+            (
+                kernels::COMPUTE_OUT,
+                &self.compute_out_fn,
+                128,
+                shape::compute_out_smem_bytes(256),
+            ),
+        ];
+        kernels
+            .into_iter()
+            .map(|(name, f, threads, smem)| {
+                Ok((
+                    name,
+                    f.num_regs()?,
+                    f.local_size_bytes()?,
+                    f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Whether the output kernel over pairs of units serves `dims` with `options` on this
+    /// device (see `docs/gpu.md`).
+    pub fn uses_pair_kernel(&self, dims: &Dims, options: &Options) -> bool {
+        self.pairs
+            && !self.legacy
+            && shape::compute_out_pairs(dims, shape::score_tiles(dims, options))
     }
 
     /// Waits until everything enqueued so far has finished.

@@ -176,6 +176,23 @@ pub(crate) fn compute_out_cb_rows(score_tiles: usize) -> usize {
     }
 }
 
+/// Dynamic shared memory of `ssd_compute_out_pair` (layout in `kernels/compute_out.cu`), in
+/// bytes: three stages of `2 * 128 * 36` floats, then `3 * 128`, then 96 bytes of base
+/// addresses.
+pub(crate) const COMPUTE_OUT_PAIR_SMEM_BYTES: usize = (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96;
+/// Whether the output kernel over pairs of units (`ssd_compute_out_pair`: two 64-column units
+/// of one group per block, sharing its C slabs and scores) serves this shape: chunks of two or
+/// more 64-row score tiles, 16-byte copies everywhere (headdim and dstate multiples of 4), and
+/// an even number of units (head, 64 headdim columns) per group, so that no pair straddles two
+/// groups.
+pub(crate) fn compute_out_pairs(dims: &Dims, score_tiles: usize) -> bool {
+    let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
+    score_tiles >= 2
+        && dims.headdim.is_multiple_of(4)
+        && dims.dstate.is_multiple_of(4)
+        && units_per_group.is_multiple_of(2)
+}
+
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
 /// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats, then 64 per warp (4 warps).
 pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize =

@@ -93,6 +93,33 @@ fn gpu_fuzz_matches_float64_reference() {
     );
 }
 
+#[test]
+fn gpu_fuzz_pair_kernel_shapes() {
+    let Some(gpu) = gpu_or_skip("gpu_fuzz_pair_kernel_shapes") else {
+        return;
+    };
+    let cases = env_usize("SSD_GPU_PAIR_CASES", 400);
+    let first = env_usize("SSD_GPU_SEED", 1) as u64;
+    let mut rng = Rng::new(0x9A1_0000 + first);
+    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
+        .map(|k| (random_pair_spec(&mut rng, 4_000_000), 7_000_000 + first + k))
+        .collect();
+    let (verdicts, failures) = run_cases(&gpu, &specs);
+    summarise("pair kernel shapes", &verdicts);
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases exceed the bound:\n{}",
+        failures.len(),
+        specs.len(),
+        failures
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
 /// seq_idx, ngroups > 1, every option, dstate at the limit, chunk 256 and the largest chunk.
 pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {

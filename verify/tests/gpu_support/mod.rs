@@ -151,6 +151,28 @@ pub fn random_spec(rng: &mut Rng, cap: usize) -> ProblemSpec {
     }
 }
 
+/// A random spec of the shapes the output kernel over pairs of units serves (chunks of 128 to
+/// 512 tokens, seqlen past one 64-row tile, headdim and dstate multiples of 4, an even number
+/// of (head, 64 headdim columns) units per group), every option drawn as in [`random_spec`].
+pub fn random_pair_spec(rng: &mut Rng, cap: usize) -> ProblemSpec {
+    let mut spec = random_spec(rng, cap);
+    let ngroups = rng.range(1, 3);
+    let (headdim, heads_per_group) = if rng.chance(0.5) {
+        (4 * rng.range(1, 16), 2 * rng.range(1, 2))
+    } else {
+        (4 * rng.range(17, 32), rng.range(1, 3))
+    };
+    let dstate = 4 * rng.range(1, 64);
+    let chunk_size = rng.pick(&[128usize, 256, 256, 512]);
+    let batch = rng.range(1, 2);
+    let nheads = ngroups * heads_per_group;
+    let per_token = batch * nheads * headdim * dstate;
+    let seqlen = rng.range(65, 1100).min((cap / per_token).max(65));
+    spec.dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
+    spec.options.chunk_size = chunk_size;
+    spec
+}
+
 /// Rounds a float64 problem to f32 inputs (what the GPU gets) and back, so that the float64
 /// reference sees exactly the values the kernels see.
 pub fn as_f32_problem(p: &Problem<f64>) -> (Problem<f32>, Problem<f64>) {
