@@ -3,7 +3,7 @@
 # host threads (barriers, warp-level mma, deferred cp.async copies, shared memory poisoned with
 # NaN) and compares version 2 (the default) with version 1 (SSD_GPU_V1=1) on small
 # problems over every option: dA_cumsum/dt' the same bits; chunk/final states and `out` within
-# 5e-3 of their largest magnitude, the pair output kernel too where it applies (version 2 feeds the tensor cores raw f32 operands and uses
+# 5e-3 of their largest magnitude, the kernels over pairs of units (2a, output) too where they apply (version 2 feeds the tensor cores raw f32 operands and uses
 # 2^x); the 16-byte and 4-byte copy paths of the output and scores kernels the same bits; no
 # NaN anywhere.
 # Needs g++ with C++20 and python3. Slow (threads): keep the problems small.
@@ -42,5 +42,7 @@ done <<'CASES'
 2 260 2 96 1 40 128 10 14
 1 200 4 20 2 36 128 27 15
 1 330 2 128 2 64 256 1 16
+2 200 2 64 1 256 128 3 17
+1 330 2 128 2 68 256 21 18
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

@@ -129,19 +129,17 @@ fn bench(
         total.push(ev.marks[0].elapsed_ms(&ev.marks[3])?);
     }
     let (t, a, b, c) = (median(total), median(s1), median(s2), median(s3));
-    let out_kernel = if gpu.uses_pair_kernel(&dims, &options) {
-        "pair"
-    } else {
-        "single"
-    };
+    let kind = |pair: bool| if pair { "pair" } else { "single" };
+    let (state_pair, out_pair) = gpu.uses_pair_kernels(&dims, &options);
+    let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
     let gbs = bytes / (t * 1e-3) / 1e9;
     println!(
-        "{:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | output kernel {out_kernel}",
+        "{:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels 2a {state_kernel}, output {out_kernel}",
         batch, seqlen, nheads, headdim, dstate, ngroups, chunk, t,
         100.0 * a / (a + b + c), 100.0 * b / (a + b + c), 100.0 * c / (a + b + c), gbs
     );
     Ok(format!(
-        "{{\"shape\":[{batch},{seqlen},{nheads},{headdim},{dstate},{ngroups},{chunk}],\"ours_ms\":{t:.4},\"cumsum_ms\":{a:.4},\"state_ms\":{b:.4},\"out_ms\":{c:.4},\"out_kernel\":\"{out_kernel}\",\"min_bytes\":{bytes:.0},\"reps\":{reps},\"input_sets\":{sets}}}"
+        "{{\"shape\":[{batch},{seqlen},{nheads},{headdim},{dstate},{ngroups},{chunk}],\"ours_ms\":{t:.4},\"cumsum_ms\":{a:.4},\"state_ms\":{b:.4},\"out_ms\":{c:.4},\"state_kernel\":\"{state_kernel}\",\"out_kernel\":\"{out_kernel}\",\"min_bytes\":{bytes:.0},\"reps\":{reps},\"input_sets\":{sets}}}"
     ))
 }
 

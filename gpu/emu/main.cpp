@@ -90,6 +90,16 @@ int main(int argc, char** argv) {
     const int vec4 = (P * N) % 4 == 0 ? 1 : 0;
     launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
         ssd_state_passing(dac.data(), initp, seqp, cstN.data(), finN.data(), L, H, P, N, Q, nc, vec4); });
+    // 2a over pairs of units, where the host would launch it, then the same pass
+    const int units_per_group2 = H / G * ptiles;
+    const bool state_pairs = N > 64 && P % 4 == 0 && N % 4 == 0 && units_per_group2 % 2 == 0;
+    std::vector<float> cstP(nst, NAN), finP(nfs, NAN);
+    if (state_pairs) {
+        launch({(unsigned)(nc * ((N + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64, [&] {
+            ssd_chunk_state_local_pair(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstP.data(), L, H, P, G, N, Q, nc); });
+        launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
+            ssd_state_passing(dac.data(), initp, seqp, cstP.data(), finP.data(), L, H, P, N, Q, nc, vec4); });
+    }
     int tmax = (std::min(Q, L) + 63) / 64, npairs = tmax * (tmax + 1) / 2;
     std::vector<float> cbuf((size_t)B * nc * G * npairs * 4096, NAN), cbuf4(cbuf.size(), NAN);
     auto run_cb = [&](std::vector<float>& cb, int vec) {
@@ -142,6 +152,12 @@ int main(int argc, char** argv) {
         nans += cmp("scores 16-byte vs 4-byte copies", a, b2, 0.0);
     }
     nans += cmp("out 64-row blocks vs legacy", out64, outL, 5e-3);
+    if (state_pairs) {
+        nans += cmp("chunk_states pair 2a vs 2a", cstP, cstN, 5e-3);
+        nans += cmp("final_states pair 2a vs 2a", finP, finN, 5e-3);
+    } else {
+        printf("pair 2a: not applicable\n");
+    }
     if (pairs) {
         nans += cmp("out pair kernel vs legacy", outP, outL, 5e-3);
         nans += cmp("out pair kernel vs cb kernel", outP, outN, 5e-3);

@@ -670,33 +670,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_cb128(CO_CB
 #define CP_X 136
 #define CP_STAGE (2 * 128 * CP_A)
 
-// Starts copying a ROWS x COLS block (COLS a multiple of 4) of a row-major global matrix into
-// shared memory at dst_stride (a multiple of 4): zeros where r >= rows_valid or c >= cols_valid
-// (cols_valid a multiple of 4). 16-byte copies by NT threads; a fully valid block takes the
-// short path (one base address per thread, constant steps).
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src, i64 src_stride,
-                                           int rows_valid, int cols_valid, int tid) {
-    constexpr int CH = COLS / 4;     // 16-byte pieces per row
-    constexpr int STEP = NT / CH;    // rows per pass
-    static_assert(NT % CH == 0 && ROWS % STEP == 0, "the threads must tile the block");
-    const int r0 = tid / CH, c0 = (tid % CH) * 4;
-    if (rows_valid >= ROWS && cols_valid >= COLS) {
-        const float* s = src + r0 * src_stride + c0;
-        const unsigned d = smem_addr(dst + r0 * dst_stride + c0);
-#pragma unroll
-        for (int k = 0; k < ROWS / STEP; ++k)
-            cp_async16_all(d + (unsigned)(k * STEP * dst_stride) * 4u, s + k * STEP * src_stride);
-    } else {
-#pragma unroll
-        for (int k = 0; k < ROWS / STEP; ++k) {
-            const int r = r0 + k * STEP;
-            const bool ok = r < rows_valid && c0 < cols_valid;
-            cp_async16(dst + r * dst_stride + c0, ok ? src + r * src_stride + c0 : src, ok, src);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_PARAMS)
 {
     extern __shared__ __align__(16) float smem[];

@@ -305,6 +305,149 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_wide(
                                 ngroups, dstate, chunk_size, nchunks);
 }
 
+// 2a, the pair kernel (the host's choice where it applies, see docs/gpu.md): one block of 256
+// threads (8 warps, two blocks per SM) per (batch b, chunk c, 128 dstate columns n, pair of
+// units), a unit being a head h and 64 of its headdim rows p, as in the output kernel's pairs
+// (head-major order, both units of a pair in one group): both units read one copy of each B
+// tile from L2 instead of one each. Warp w computes unit w / 4, rows 32 ((w / 2) % 2) and
+// columns 64 (w % 2): a 32 x 64 tile, its A fragments through 16-byte loads of x scaled by w
+// of its unit's head as in 2a above. The 32-token stages (x of both units, B, cs and dt' of
+// both heads, seq) flow through a 3-stage cp.async ring, one barrier per stage.
+// Dynamic shared memory (floats): 3 stages of [x 32 x 136 (unit u at column 64 u), B 32 x 136,
+// cs[2][32], dt'[2][32], seq[32]], then w: 32 per warp, then 8 base addresses (8 bytes each).
+// Every copy is 16 bytes wide: headdim and dstate multiples of 4 (the host's condition).
+#define SP_S 136
+#define SP_STAGE (2 * 32 * SP_S + 160)
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(CHUNK_STATE_LOCAL_ARGS) {
+    extern __shared__ __align__(16) float smem[];
+    constexpr int NT = 256, TK = 32;
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int u = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
+    float* ws = smem + 3 * SP_STAGE + warp * TK;  // this warp's w of the current stage
+    const float** ptab = (const float**)(smem + 3 * SP_STAGE + 8 * TK);
+    const int ntiles_n = (dstate + 127) / 128;
+    const int c = blockIdx.x / ntiles_n;
+    const int n0 = (blockIdx.x % ntiles_n) * 128;
+    const int ptiles = (headdim + 63) / 64;
+    const int b = blockIdx.z;
+    const int h_0 = (2 * blockIdx.y) / ptiles, p_0 = ((2 * blockIdx.y) % ptiles) * 64;
+    const int h_1 = (2 * blockIdx.y + 1) / ptiles, p_1 = ((2 * blockIdx.y + 1) % ptiles) * 64;
+    const int rows_0 = min(64, headdim - p_0), rows_1 = min(64, headdim - p_1);
+    const int grp = h_0 / (nheads / ngroups);
+    const int cols_n = min(128, dstate - n0);
+    const i64 tok_stride_x = (i64)nheads * headdim;
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    const i64 t0 = (i64)c * chunk_size;
+    const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+    const i64 cb_0 = (((i64)b * nheads + h_0) * nchunks + c) * chunk_size;
+    const i64 cb_1 = (((i64)b * nheads + h_1) * nchunks + c) * chunk_size;
+    // This warp's unit.
+    const int h = u ? h_1 : h_0, p0 = u ? p_1 : p_0, rows_p = u ? rows_1 : rows_0;
+    const float csl_last = dA_cumsum[(u ? cb_1 : cb_0) + last] * LOG2E_F;
+    const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen + t0 : nullptr;
+    const int seq_last = seq_row != nullptr ? seq_row[last] : 0;
+    if (tid == 0) {
+        ptab[0] = x + ((i64)b * seqlen + t0) * tok_stride_x + (i64)h_0 * headdim + p_0;
+        ptab[1] = x + ((i64)b * seqlen + t0) * tok_stride_x + (i64)h_1 * headdim + p_1;
+        ptab[2] = Bm + ((i64)b * seqlen + t0) * tok_stride_b + (i64)grp * dstate + n0;
+        ptab[3] = dA_cumsum + cb_0;
+        ptab[4] = dA_cumsum + cb_1;
+        ptab[5] = dt_out + cb_0;
+        ptab[6] = dt_out + cb_1;
+        ptab[7] = (const float*)seq_row;
+    }
+    const int nst = last / TK + 1;
+
+    auto issue = [&](int k) {
+        float* xs = smem + (k % 3) * SP_STAGE;
+        float* bs = xs + TK * SP_S;
+        float* vk = bs + TK * SP_S;  // cs[2][32], dt'[2][32], seq[32]
+        const int k0 = k * TK;
+        const int rows_t = min(TK, last + 1 - k0);
+        async_rows<TK, 64, NT>(xs, SP_S, ptab[0] + k0 * tok_stride_x, tok_stride_x, rows_t, rows_0, tid);
+        async_rows<TK, 64, NT>(xs + 64, SP_S, ptab[1] + k0 * tok_stride_x, tok_stride_x, rows_t, rows_1, tid);
+        async_rows<TK, 128, NT>(bs, SP_S, ptab[2] + k0 * tok_stride_b, tok_stride_b, rows_t, cols_n, tid);
+        if (tid < 64) {
+            const int l = tid & 31;
+            const bool ok = l < rows_t;
+            cp_async4(vk + tid, ptab[3 + (tid >> 5)] + k0 + l, ok, dA_cumsum);
+            cp_async4(vk + 64 + tid, ptab[5 + (tid >> 5)] + k0 + l, ok, dt_out);
+            if (seq_idx != nullptr && tid < 32) cp_async4(vk + 128 + tid, (const int*)ptab[7] + k0 + l, ok, seq_idx);
+        }
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < 8; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+
+    __syncthreads();  // the base addresses
+    issue(0);
+    cp_async_commit();
+    if (nst > 1) issue(1);
+    cp_async_commit();
+    for (int k = 0; k < nst; ++k) {
+        cp_async_wait<1>();  // this thread's copies of stage k have landed (k + 1 may still fly)
+        __syncthreads();     // everyone's have, and everyone is done with stage k - 1
+        if (k + 2 < nst) issue(k + 2);
+        cp_async_commit();
+        const float* xs = smem + (k % 3) * SP_STAGE;
+        const float* bs = xs + TK * SP_S;
+        const float* vk = bs + TK * SP_S;
+        const int rows_t = min(TK, last + 1 - k * TK);
+        {
+            const bool same = seq_idx == nullptr || ((const int*)vk)[128 + lane] == seq_last;
+            ws[lane] = (lane < rows_t && same) ? ex2_approx(csl_last - vk[u * 32 + lane] * LOG2E_F) * vk[64 + u * 32 + lane]
+                                               : 0.0f;
+        }
+        __syncwarp();
+        const float* xa = xs + u * 64 + wm * 32 + 4 * g;  // A[p][l] = x[l][p] w[l], 4 rows per load
+        const float* bb = bs + wn * 64 + g;               // B[l][n]
+#pragma unroll
+        for (int kk = 0; kk < TK; kk += 8) {
+            const float w0 = ws[kk + q], w1 = ws[kk + q + 4];
+            const float4 x0 = *reinterpret_cast<const float4*>(xa + (kk + q) * SP_S);
+            const float4 x1 = *reinterpret_cast<const float4*>(xa + (kk + q + 4) * SP_S);
+            const unsigned a[2][4] = {
+                {__float_as_uint(x0.x * w0), __float_as_uint(x0.y * w0), __float_as_uint(x1.x * w1),
+                 __float_as_uint(x1.y * w1)},
+                {__float_as_uint(x0.z * w0), __float_as_uint(x0.w * w0), __float_as_uint(x1.z * w1),
+                 __float_as_uint(x1.w * w1)}};
+            unsigned bf[8][2];
+#pragma unroll
+            for (int nf = 0; nf < 8; ++nf) {
+                bf[nf][0] = __float_as_uint(bb[(kk + q) * SP_S + nf * 8]);
+                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * SP_S + nf * 8]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+        }
+    }
+
+    // acc[mi][nf][2 hf + e]: row wm 32 + 4 g + 2 mi + hf, column wn 64 + 8 nf + 2 q + e
+    float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + 4 * g + 2 * mi + hf;
+            if (pr >= rows_p) continue;
+            float* row = cst + (i64)(p0 + pr) * dstate + n0;
+#pragma unroll
+            for (int nf = 0; nf < 8; ++nf) {
+                const int nc = wn * 64 + nf * 8 + 2 * q;
+                if (nc < cols_n)  // cols_n is a multiple of 4: nc + 1 is in too
+                    *reinterpret_cast<float2*>(row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+            }
+        }
+}
+
 // 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, V
 // consecutive elements e of [headdim, dstate]) (grid: x over the elements, y = heads, z =
 // batch; V = 4 with 16-byte loads when headdim * dstate is a multiple of 4, else 1). On entry

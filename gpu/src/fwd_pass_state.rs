@@ -4,7 +4,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
+    state_pairs, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, CHUNK_STATE_LOCAL_SMEM_BYTES,
+    CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -50,9 +51,15 @@ impl Gpu {
             int(o.chunk_size),
             int(nchunks),
         ];
-        // 2a's tiles: 128 dstate columns per block (8 warps) above dstate 64, else 64 (4 warps).
+        // 2a's tiles: 128 dstate columns per block (8 warps) above dstate 64, else 64 (4 warps);
+        // two units (head, 64 headdim rows) of a group per block where `state_pairs` allows.
         let wide = d.dstate > TILE_N;
-        let (split_tiles, threads, smem, state_local_fn) = if wide {
+        let pairs = self.pairs && state_pairs(&d);
+        let (split_tiles, threads, smem, state_local_fn) = if pairs {
+            let t = d.dstate.div_ceil(2 * TILE_N);
+            let f = &self.chunk_state_local_pair_fn;
+            (t, 256, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, f)
+        } else if wide {
             let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
             let f = &self.chunk_state_local_wide_fn;
             (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
@@ -69,8 +76,13 @@ impl Gpu {
             .filter(|&g| g <= i32::MAX as usize);
         if let (false, Some(gx)) = (self.legacy, split_grid) {
             // 2a: every chunk's own state, in parallel.
+            let units = if pairs {
+                d.nheads * d.headdim.div_ceil(TILE_P) / 2
+            } else {
+                d.nheads
+            };
             let cfg = LaunchConfig {
-                grid_dim: (gx as u32, d.nheads as u32, d.batch as u32),
+                grid_dim: (gx as u32, units as u32, d.batch as u32),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
@@ -85,10 +97,13 @@ impl Gpu {
             for s in &sizes {
                 launch.arg(s);
             }
-            // SAFETY: the argument list matches `ssd_chunk_state_local` and
-            // `ssd_chunk_state_local_wide` in kernels/fwd_pass_state.cu; buffers checked against
-            // the sizes, grid checked above; 74 KB or 106 KB of dynamic shared memory fit every
-            // device of compute capability 8.0 or newer (opt-in raised at load).
+            // SAFETY: the argument list matches `ssd_chunk_state_local`,
+            // `ssd_chunk_state_local_wide` and `ssd_chunk_state_local_pair` in
+            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above
+            // (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even count per group and
+            // 16-byte copies, checked by `state_pairs`); 74 KB, 106 KB or 105 KB of dynamic
+            // shared memory (the pair kernel's checked against this device at load) opted in at
+            // load.
             unsafe { launch.launch(cfg) }?;
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;

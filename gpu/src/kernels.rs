@@ -29,6 +29,7 @@ pub(crate) const FWD_PASS_STATE: &str = "ssd_fwd_pass_state";
 pub(crate) const COMPUTE_OUT: &str = "ssd_compute_out";
 pub(crate) const CHUNK_STATE_LOCAL: &str = "ssd_chunk_state_local";
 pub(crate) const CHUNK_STATE_LOCAL_WIDE: &str = "ssd_chunk_state_local_wide";
+pub(crate) const CHUNK_STATE_LOCAL_PAIR: &str = "ssd_chunk_state_local_pair";
 pub(crate) const STATE_PASSING: &str = "ssd_state_passing";
 pub(crate) const CHUNK_CB: &str = "ssd_chunk_cb";
 pub(crate) const COMPUTE_OUT_CB: &str = "ssd_compute_out_cb";

@@ -30,9 +30,11 @@ pub struct Gpu {
     pub(crate) compute_out_cb_fn: CudaFunction,
     pub(crate) compute_out_cb128_fn: CudaFunction,
     pub(crate) compute_out_pair_fn: CudaFunction,
-    /// Whether the output kernel over pairs of units may be used: its shared memory fits this
-    /// device, and `SSD_GPU_PAIR=0` was not set at [`Gpu::new`] (that keeps
-    /// `ssd_compute_out_cb128` everywhere, for comparison).
+    pub(crate) chunk_state_local_pair_fn: CudaFunction,
+    /// Whether the kernels over pairs of units (2a and the output kernel) may be used: their
+    /// shared memory fits this device, and `SSD_GPU_PAIR=0` was not set at [`Gpu::new`] (that
+    /// keeps `ssd_chunk_state_local_wide` and `ssd_compute_out_cb128` everywhere, for
+    /// comparison).
     pub(crate) pairs: bool,
     /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
     /// state pass and the output kernel that computes its own scores), kept selectable for
@@ -99,6 +101,7 @@ impl Gpu {
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
         let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
         let compute_out_pair_fn = module.load_function(kernels::COMPUTE_OUT_PAIR)?;
+        let chunk_state_local_pair_fn = module.load_function(kernels::CHUNK_STATE_LOCAL_PAIR)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
@@ -108,6 +111,7 @@ impl Gpu {
             &compute_out_cb_fn,
             &compute_out_cb128_fn,
             &compute_out_pair_fn,
+            &chunk_state_local_pair_fn,
             &chunk_state_local_fn,
             &chunk_state_local_wide_fn,
         ] {
@@ -117,7 +121,8 @@ impl Gpu {
             )?;
         }
         let legacy = std::env::var("SSD_GPU_V1").is_ok_and(|v| v == "1");
-        let pairs = max_smem_optin >= shape::COMPUTE_OUT_PAIR_SMEM_BYTES
+        let pairs = max_smem_optin
+            >= shape::COMPUTE_OUT_PAIR_SMEM_BYTES.max(shape::CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES)
             && !std::env::var("SSD_GPU_PAIR").is_ok_and(|v| v == "0");
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
@@ -135,6 +140,7 @@ impl Gpu {
             compute_out_cb_fn,
             compute_out_cb128_fn,
             compute_out_pair_fn,
+            chunk_state_local_pair_fn,
             pairs,
             legacy,
             target,
@@ -186,6 +192,12 @@ impl Gpu {
                 256,
                 shape::CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
             ),
+            (
+                kernels::CHUNK_STATE_LOCAL_PAIR,
+                &self.chunk_state_local_pair_fn,
+                256,
+                shape::CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES,
+            ),
             (kernels::STATE_PASSING, &self.state_passing_fn, 256, 0),
             (
                 kernels::CHUNK_CB,
@@ -232,12 +244,14 @@ impl Gpu {
             .collect()
     }
 
-    /// Whether the output kernel over pairs of units serves `dims` with `options` on this
-    /// device (see `docs/gpu.md`).
-    pub fn uses_pair_kernel(&self, dims: &Dims, options: &Options) -> bool {
-        self.pairs
-            && !self.legacy
-            && shape::compute_out_pairs(dims, shape::score_tiles(dims, options))
+    /// Whether the kernels over pairs of units serve `dims` with `options` on this device
+    /// (see `docs/gpu.md`): `(2a, output kernel)`.
+    pub fn uses_pair_kernels(&self, dims: &Dims, options: &Options) -> (bool, bool) {
+        let on = self.pairs && !self.legacy;
+        (
+            on && shape::state_pairs(dims),
+            on && shape::compute_out_pairs(dims, shape::score_tiles(dims, options)),
+        )
     }
 
     /// Waits until everything enqueued so far has finished.

@@ -202,6 +202,22 @@ pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize =
 pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize =
     (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4;
 
+/// The same for `ssd_chunk_state_local_pair` (two units per block, 128 dstate columns, 8 warps):
+/// three stages of `2 * 32 * 136 + 160` floats, then 32 per warp, then 64 bytes of base
+/// addresses.
+pub(crate) const CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES: usize =
+    (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64;
+/// Whether 2a over pairs of units (`ssd_chunk_state_local_pair`) serves this shape: dstate
+/// above 64 (its blocks span 128 dstate columns), 16-byte copies everywhere (headdim and
+/// dstate multiples of 4), and an even number of units per group (see [`compute_out_pairs`]).
+pub(crate) fn state_pairs(dims: &Dims) -> bool {
+    let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
+    dims.dstate > TILE_N
+        && dims.headdim.is_multiple_of(4)
+        && dims.dstate.is_multiple_of(4)
+        && units_per_group.is_multiple_of(2)
+}
+
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`
 /// (layout in `kernels/compute_out.cu`).
 pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {
