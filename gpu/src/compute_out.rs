@@ -101,7 +101,7 @@ impl Gpu {
         ];
         if let Some(scores) = outputs.scores.as_ref() {
             let t = score_tiles(&d, &o);
-            let rows = compute_out_cb_rows(t);
+            let rows = compute_out_cb_rows(t, self.max_smem_optin);
             let cfg = LaunchConfig {
                 grid_dim: (
                     (nchunks * o.chunk_size.div_ceil(rows)) as u32,
@@ -151,9 +151,9 @@ impl Gpu {
             // the pair kernel's grid covers nheads * ptiles / 2 pairs (an even count per group,
             // checked by `compute_out_pairs`, 16-byte copies only where `vec` holds); every
             // buffer was checked against the sizes, the scores were written by `ssd_chunk_cb`
-            // just before on this stream, and the dynamic shared memory (73 KB, 109 KB, or
-            // 110 KB for pairs, which `pairs` checked against this device) was opted in at
-            // load.
+            // just before on this stream, and the dynamic shared memory (73 KB, or 109 KB and
+            // 110 KB for pairs, both checked against this device by `compute_out_cb_rows` and
+            // `pairs`) was opted in at load.
             unsafe { launch.launch(cfg) }?;
             return Ok(());
         }

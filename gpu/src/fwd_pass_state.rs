@@ -4,8 +4,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
-    state_pairs, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, CHUNK_STATE_LOCAL_SMEM_BYTES,
-    CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
+    state_local_variant, StateLocal, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES,
+    CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -51,25 +51,28 @@ impl Gpu {
             int(o.chunk_size),
             int(nchunks),
         ];
-        // 2a's tiles: 128 dstate columns per block (8 warps) above dstate 64, else 64 (4 warps);
-        // two units (head, 64 headdim rows) of a group per block where `state_pairs` allows.
-        let wide = d.dstate > TILE_N;
-        let pairs = self.pairs && state_pairs(&d);
-        let (split_tiles, threads, smem, state_local_fn) = if pairs {
-            let t = d.dstate.div_ceil(2 * TILE_N);
-            let f = &self.chunk_state_local_pair_fn;
-            (t, 256, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, f)
-        } else if wide {
-            let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
-            let f = &self.chunk_state_local_wide_fn;
-            (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
-        } else {
-            (
+        // 2a's tiles: two units (head, 64 headdim rows) of a group per block and 128 dstate
+        // columns where `state_local_variant` allows, one unit and 128 columns above dstate 64,
+        // else 64 columns (4 warps).
+        let variant = state_local_variant(&d, self.pairs, self.max_smem_optin);
+        let pairs = variant == StateLocal::Pair;
+        let (split_tiles, threads, smem, state_local_fn) = match variant {
+            StateLocal::Pair => {
+                let t = d.dstate.div_ceil(2 * TILE_N);
+                let f = &self.chunk_state_local_pair_fn;
+                (t, 256, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, f)
+            }
+            StateLocal::Wide => {
+                let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
+                let f = &self.chunk_state_local_wide_fn;
+                (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
+            }
+            StateLocal::Narrow => (
                 tiles,
                 128,
                 CHUNK_STATE_LOCAL_SMEM_BYTES,
                 &self.chunk_state_local_fn,
-            )
+            ),
         };
         let split_grid = nchunks
             .checked_mul(split_tiles)
@@ -101,9 +104,9 @@ impl Gpu {
             // `ssd_chunk_state_local_wide` and `ssd_chunk_state_local_pair` in
             // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above
             // (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even count per group and
-            // 16-byte copies, checked by `state_pairs`); 74 KB, 106 KB or 105 KB of dynamic
-            // shared memory (the pair kernel's checked against this device at load) opted in at
-            // load.
+            // 16-byte copies, checked by `state_pairs`); 74 KB of dynamic shared memory, or
+            // 106 KB and 105 KB (pairs), both checked against this device by
+            // `state_local_variant`, opted in at load.
             unsafe { launch.launch(cfg) }?;
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;

@@ -42,7 +42,8 @@ pub struct Gpu {
     pub(crate) legacy: bool,
     target: &'static str,
     name: String,
-    max_smem_optin: usize,
+    /// Dynamic shared memory a block may opt in to on this device, in bytes.
+    pub(crate) max_smem_optin: usize,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -238,7 +239,11 @@ impl Gpu {
                     name,
                     f.num_regs()?,
                     f.local_size_bytes()?,
-                    f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?,
+                    if smem <= self.max_smem_optin {
+                        f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?
+                    } else {
+                        0 // never launched on this device
+                    },
                 ))
             })
             .collect()

@@ -167,12 +167,38 @@ pub(crate) const fn compute_out_cb_smem_bytes(rows: usize) -> usize {
     (2 * (rows * 68 + 64 * 72 + 3 * 64) + 2 * rows) * 4
 }
 /// The output kernel's rows per block: 128 (`ssd_compute_out_cb128`, 256 threads) when a chunk
-/// holds two or more 64-row score tiles, else 64 (`ssd_compute_out_cb`, 128 threads).
-pub(crate) fn compute_out_cb_rows(score_tiles: usize) -> usize {
-    if score_tiles >= 2 {
+/// holds two or more 64-row score tiles and the device allows its shared memory (`max_smem`
+/// bytes per block; 99 KB on compute capability 8.6 and 8.9), else 64 (`ssd_compute_out_cb`,
+/// 128 threads, 73 KB).
+pub(crate) fn compute_out_cb_rows(score_tiles: usize, max_smem: usize) -> usize {
+    if score_tiles >= 2 && compute_out_cb_smem_bytes(128) <= max_smem {
         128
     } else {
         64
+    }
+}
+
+/// The variant of 2a (`kernels/fwd_pass_state.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateLocal {
+    /// `ssd_chunk_state_local_pair`: two units per block, 128 dstate columns.
+    Pair,
+    /// `ssd_chunk_state_local_wide`: one unit, 128 dstate columns.
+    Wide,
+    /// `ssd_chunk_state_local`: one unit, 64 dstate columns (74 KB: every device).
+    Narrow,
+}
+
+/// Which 2a serves `dims`: the pair kernel where `pairs` (the device's shared memory allows it
+/// and it was not turned off) and [`state_pairs`] hold, the wide one above dstate 64 where its
+/// 106 KB fit `max_smem`, else the narrow one.
+pub(crate) fn state_local_variant(dims: &Dims, pairs: bool, max_smem: usize) -> StateLocal {
+    if pairs && state_pairs(dims) {
+        StateLocal::Pair
+    } else if dims.dstate > TILE_N && CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES <= max_smem {
+        StateLocal::Wide
+    } else {
+        StateLocal::Narrow
     }
 }
 
@@ -268,6 +294,51 @@ mod tests {
             chunk_size,
             ..Options::default()
         }
+    }
+
+    #[test]
+    fn kernel_variants_fit_the_device_shared_memory() {
+        let hopper = 227 * 1024;
+        let ampere = 163 * 1024;
+        let ada = 99 * 1024;
+        let mamba = Dims::new(2, 4096, 8, 64, 1, 128);
+        assert_eq!(state_local_variant(&mamba, true, hopper), StateLocal::Pair);
+        assert_eq!(state_local_variant(&mamba, false, hopper), StateLocal::Wide);
+        assert_eq!(state_local_variant(&mamba, false, ampere), StateLocal::Wide);
+        assert_eq!(state_local_variant(&mamba, false, ada), StateLocal::Narrow);
+        let odd_heads = Dims::new(2, 4096, 3, 64, 1, 128);
+        assert_eq!(
+            state_local_variant(&odd_heads, true, hopper),
+            StateLocal::Wide
+        );
+        let small_state = Dims::new(2, 4096, 8, 64, 1, 64);
+        assert_eq!(
+            state_local_variant(&small_state, true, hopper),
+            StateLocal::Narrow
+        );
+        assert_eq!(compute_out_cb_rows(4, hopper), 128);
+        assert_eq!(compute_out_cb_rows(4, ada), 64);
+        assert_eq!(compute_out_cb_rows(1, hopper), 64);
+        // What each variant asks for fits the device it is chosen for.
+        assert!(CHUNK_STATE_LOCAL_SMEM_BYTES <= ada && compute_out_cb_smem_bytes(64) <= ada);
+        assert!(CHUNK_CB_SMEM_BYTES <= ada);
+        // The pair kernels (checked together at load) fit an A100 as well.
+        assert!(COMPUTE_OUT_PAIR_SMEM_BYTES.max(CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES) <= ampere);
+    }
+
+    #[test]
+    fn units_pair_only_within_a_group() {
+        // headdim 64: two heads per pair, so the heads of a group must be even in number.
+        assert!(state_pairs(&Dims::new(1, 100, 8, 64, 2, 128)));
+        assert!(!state_pairs(&Dims::new(1, 100, 6, 64, 2, 128)));
+        // headdim 65 to 128: the two 64-column units of one head pair up.
+        assert!(state_pairs(&Dims::new(1, 100, 3, 128, 3, 128)));
+        assert!(compute_out_pairs(&Dims::new(1, 100, 3, 96, 1, 128), 2));
+        // 16-byte copies only: headdim and dstate multiples of 4.
+        assert!(!compute_out_pairs(&Dims::new(1, 100, 2, 62, 1, 128), 2));
+        assert!(!compute_out_pairs(&Dims::new(1, 100, 2, 64, 1, 126), 2));
+        // One score tile per chunk: the 64-row kernel.
+        assert!(!compute_out_pairs(&Dims::new(1, 100, 2, 64, 1, 128), 1));
     }
 
     #[test]
