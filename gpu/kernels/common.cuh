@@ -234,26 +234,29 @@ __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const 
 // Starts copying a ROWS x COLS block (COLS a multiple of 4) of a row-major global matrix into
 // shared memory at dst_stride (a multiple of 4): zeros where r >= rows_valid or c >= cols_valid
 // (cols_valid a multiple of 4). 16-byte copies by NT threads; a fully valid block takes the
-// short path (one base address per thread, constant steps).
+// short path (one base address per thread, constant steps). Offsets from src are 32-bit
+// unsigned (the callers' ROWS x src_stride stay below 2^32 floats): 64-bit address arithmetic
+// had cost about 15 integer instructions per 16-byte copy.
 template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src, i64 src_stride,
-                                           int rows_valid, int cols_valid, int tid) {
+__device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src,
+                                           unsigned src_stride, int rows_valid, int cols_valid, int tid) {
     constexpr int CH = COLS / 4;     // 16-byte pieces per row
     constexpr int STEP = NT / CH;    // rows per pass
     static_assert(NT % CH == 0 && ROWS % STEP == 0, "the threads must tile the block");
     const int r0 = tid / CH, c0 = (tid % CH) * 4;
+    const unsigned step = (unsigned)STEP * src_stride;
     if (rows_valid >= ROWS && cols_valid >= COLS) {
-        const float* s = src + r0 * src_stride + c0;
+        const float* s = src + ((unsigned)r0 * src_stride + (unsigned)c0);
         const unsigned d = smem_addr(dst + r0 * dst_stride + c0);
 #pragma unroll
         for (int k = 0; k < ROWS / STEP; ++k)
-            cp_async16_all(d + (unsigned)(k * STEP * dst_stride) * 4u, s + k * STEP * src_stride);
+            cp_async16_all(d + (unsigned)(k * STEP * dst_stride) * 4u, s + (unsigned)k * step);
     } else {
 #pragma unroll
         for (int k = 0; k < ROWS / STEP; ++k) {
             const int r = r0 + k * STEP;
             const bool ok = r < rows_valid && c0 < cols_valid;
-            cp_async16(dst + r * dst_stride + c0, ok ? src + r * src_stride + c0 : src, ok, src);
+            cp_async16(dst + r * dst_stride + c0, ok ? src + ((unsigned)r * src_stride + (unsigned)c0) : src, ok, src);
         }
     }
 }

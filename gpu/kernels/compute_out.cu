@@ -714,8 +714,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
     const bool has_seq = seq_row != nullptr;
 
     if (tid == 0) {
-        ptab[0] = x_0;
-        ptab[1] = x_1;
+        ptab[0] = x_0 + t0 * tok_stride_x;
+        ptab[1] = x_1 + t0 * tok_stride_x;
         ptab[2] = st_0;
         ptab[3] = st_1;
         ptab[4] = cg;
@@ -745,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
         float* tb = ta + TM * CP_A;
         if (s < nslab) {
             const int n0 = s * 32;
-            async_rows<TM, 32, NT>(ta, CP_A, ptab[4] + n0, tok_stride_b, rows_i, dstate - n0, tid);
+            async_rows<TM, 32, NT>(ta, CP_A, ptab[4] + n0, (unsigned)tok_stride_b, rows_i, dstate - n0, tid);
             async_rows<64, 32, NT>(tb, CP_A, ptab[2] + n0, dstate, cols_0, dstate - n0, tid);
             async_rows<64, 32, NT>(tb + 64 * CP_A, CP_A, ptab[3] + n0, dstate, cols_1, dstate - n0, tid);
         } else {
@@ -759,8 +759,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
                     async_rows<64, 32, NT>(ta + hh * 64 * CP_A, CP_A, ptab[5] + (rt * (rt + 1) / 2 + jt) * 4096 + (j0 & 63),
                                            64, 64, 32, tid);
             }
-            async_rows<32, 64, NT>(tb, CP_X, ptab[0] + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_0, tid);
-            async_rows<32, 64, NT>(tb + 64, CP_X, ptab[1] + (t0 + j0) * tok_stride_x, tok_stride_x, rows_j, cols_1, tid);
+            const unsigned xoff = (unsigned)j0 * (unsigned)tok_stride_x;
+            async_rows<32, 64, NT>(tb, CP_X, ptab[0] + xoff, (unsigned)tok_stride_x, rows_j, cols_0, tid);
+            async_rows<32, 64, NT>(tb + 64, CP_X, ptab[1] + xoff, (unsigned)tok_stride_x, rows_j, cols_1, tid);
             float* vj = tb + 32 * CP_X;  // cs_j[2][32], dt_j[2][32], seq_j[32]
             if (tid < 64) {
                 const int k = tid & 31;

@@ -365,9 +365,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
         float* vk = bs + TK * SP_S;  // cs[2][32], dt'[2][32], seq[32]
         const int k0 = k * TK;
         const int rows_t = min(TK, last + 1 - k0);
-        async_rows<TK, 64, NT>(xs, SP_S, ptab[0] + k0 * tok_stride_x, tok_stride_x, rows_t, rows_0, tid);
-        async_rows<TK, 64, NT>(xs + 64, SP_S, ptab[1] + k0 * tok_stride_x, tok_stride_x, rows_t, rows_1, tid);
-        async_rows<TK, 128, NT>(bs, SP_S, ptab[2] + k0 * tok_stride_b, tok_stride_b, rows_t, cols_n, tid);
+        const unsigned xoff = (unsigned)k0 * (unsigned)tok_stride_x, boff = (unsigned)k0 * (unsigned)tok_stride_b;
+        async_rows<TK, 64, NT>(xs, SP_S, ptab[0] + xoff, (unsigned)tok_stride_x, rows_t, rows_0, tid);
+        async_rows<TK, 64, NT>(xs + 64, SP_S, ptab[1] + xoff, (unsigned)tok_stride_x, rows_t, rows_1, tid);
+        async_rows<TK, 128, NT>(bs, SP_S, ptab[2] + boff, (unsigned)tok_stride_b, rows_t, cols_n, tid);
         if (tid < 64) {
             const int l = tid & 31;
             const bool ok = l < rows_t;

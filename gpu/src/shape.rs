@@ -202,6 +202,15 @@ pub(crate) fn state_local_variant(dims: &Dims, pairs: bool, max_smem: usize) -> 
     }
 }
 
+/// Whether every offset the pair kernels' copies take from a row's first token (at most
+/// `seqlen` tokens of `x`, `B` or `C`) fits their 32-bit unsigned arithmetic.
+fn offsets_fit_u32(dims: &Dims) -> bool {
+    let widest = (dims.nheads * dims.headdim).max(dims.ngroups * dims.dstate);
+    dims.seqlen
+        .checked_mul(widest)
+        .is_some_and(|v| v < 1usize << 32)
+}
+
 /// Dynamic shared memory of `ssd_compute_out_pair` (layout in `kernels/compute_out.cu`), in
 /// bytes: three stages of `2 * 128 * 36` floats, then `3 * 128`, then 96 bytes of base
 /// addresses.
@@ -214,6 +223,7 @@ pub(crate) const COMPUTE_OUT_PAIR_SMEM_BYTES: usize = (3 * 2 * 128 * 36 + 3 * 12
 pub(crate) fn compute_out_pairs(dims: &Dims, score_tiles: usize) -> bool {
     let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
     score_tiles >= 2
+        && offsets_fit_u32(dims)
         && dims.headdim.is_multiple_of(4)
         && dims.dstate.is_multiple_of(4)
         && units_per_group.is_multiple_of(2)
@@ -239,6 +249,7 @@ pub(crate) const CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES: usize =
 pub(crate) fn state_pairs(dims: &Dims) -> bool {
     let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
     dims.dstate > TILE_N
+        && offsets_fit_u32(dims)
         && dims.headdim.is_multiple_of(4)
         && dims.dstate.is_multiple_of(4)
         && units_per_group.is_multiple_of(2)
@@ -339,6 +350,9 @@ mod tests {
         assert!(!compute_out_pairs(&Dims::new(1, 100, 2, 64, 1, 126), 2));
         // One score tile per chunk: the 64-row kernel.
         assert!(!compute_out_pairs(&Dims::new(1, 100, 2, 64, 1, 128), 1));
+        // Rows whose offsets would overflow the copies' 32-bit arithmetic.
+        assert!(!state_pairs(&Dims::new(1, 1 << 20, 64, 64, 1, 128)));
+        assert!(state_pairs(&Dims::new(1, 1 << 19, 64, 64, 1, 128)));
     }
 
     #[test]
