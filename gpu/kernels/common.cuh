@@ -94,6 +94,22 @@ __device__ __forceinline__ void mma_2x4(float (&acc)[2][4][4], const unsigned (&
         for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
 }
 
+// A warp's 32 x 64 part (the pair kernels): 2 row fragments of 16 by 8 column fragments of 8.
+__device__ __forceinline__ void zero_2x8(float (&acc)[2][8][4]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < 8; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+}
+__device__ __forceinline__ void mma_2x8(float (&acc)[2][8][4], const unsigned (&a)[2][4], const unsigned (&b)[8][2]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
+}
+
 // Copies a ROWS x 64 block of a row-major global matrix into shared memory, rounded to TF32,
 // optionally scaling row r by row_scale[r] first (SCALE):
 //   dst[r * dst_stride + c] = tf32(src[r * src_stride + c] (* row_scale[r]))

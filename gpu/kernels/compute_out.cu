@@ -774,12 +774,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
     };
 
     float acc[2][8][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 8; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+    zero_2x8(acc);
 
     const int r_w = wm * 32;  // the warp's first row in the block
     const bool rows_mma = r_w < rows_i;
@@ -830,10 +825,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
                     bf[2 * np + 1][0] = r4[2];
                     bf[2 * np + 1][1] = r4[3];
                 }
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                    for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+                mma_2x8(acc, a, bf);
             }
             continue;
         }
@@ -945,10 +937,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
                 bf[nf][0] = __float_as_uint(xs[k0 * CP_X + nf * 8]);
                 bf[nf][1] = __float_as_uint(xs[k1 * CP_X + nf * 8]);
             }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+            mma_2x8(acc, a, bf);
         }
     }
 

@@ -162,6 +162,32 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 // Dynamic shared memory (floats): 2 buffers of [x 64 x 72, B 64 x (TN + 8), cs 64, dt' 64,
 // seq 64], then w: 64 per warp.
 #define SL_BUF(TN) (ST_TK * ST_STRIDE + ST_TK * ((TN) + 8) + 3 * ST_TK)
+// One k-step (8 tokens) of 2a's product for a warp's 32 x (8 NF) part: A[p][l] = x[l][p] w[l]
+// through 16-byte loads of x (xa at the thread's first row, row stride xs; slot g + 8 half of
+// row fragment mi stands for row 4 g + 2 mi + half), B[l][n] through 32-bit loads (bb at the
+// thread's column g, row stride bs).
+template <int NF>
+__device__ __forceinline__ void state_kstep(float (&acc)[2][NF][4], const float* xa, int xs, const float* bb, int bs,
+                                            const float* ws, int kk, int q) {
+    const float w0 = ws[kk + q], w1 = ws[kk + q + 4];
+    const float4 x0 = *reinterpret_cast<const float4*>(xa + (kk + q) * xs);
+    const float4 x1 = *reinterpret_cast<const float4*>(xa + (kk + q + 4) * xs);
+    const unsigned a[2][4] = {{__float_as_uint(x0.x * w0), __float_as_uint(x0.y * w0), __float_as_uint(x1.x * w1),
+                               __float_as_uint(x1.y * w1)},
+                              {__float_as_uint(x0.z * w0), __float_as_uint(x0.w * w0), __float_as_uint(x1.z * w1),
+                               __float_as_uint(x1.w * w1)}};
+    unsigned bf[NF][2];
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+        bf[nf][0] = __float_as_uint(bb[(kk + q) * bs + nf * 8]);
+        bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * bs + nf * 8]);
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+}
+
 template <int TN>
 __device__ __forceinline__ void chunk_state_local_body(
     float* smem, const float* __restrict__ x, const float* __restrict__ Bm, const float* __restrict__ dt_out,
@@ -244,21 +270,7 @@ __device__ __forceinline__ void chunk_state_local_body(
         const float* bb = bs + wn * 32 + g;      // B[l][n]
 #pragma unroll
         for (int kk = 0; kk < ST_TK; kk += 8) {
-            const float w0 = ws[kk + q], w1 = ws[kk + q + 4];
-            const float4 x0 = *reinterpret_cast<const float4*>(xa + (kk + q) * ST_STRIDE);
-            const float4 x1 = *reinterpret_cast<const float4*>(xa + (kk + q + 4) * ST_STRIDE);
-            const unsigned a[2][4] = {
-                {__float_as_uint(x0.x * w0), __float_as_uint(x0.y * w0), __float_as_uint(x1.x * w1),
-                 __float_as_uint(x1.y * w1)},
-                {__float_as_uint(x0.z * w0), __float_as_uint(x0.w * w0), __float_as_uint(x1.z * w1),
-                 __float_as_uint(x1.w * w1)}};
-            unsigned bf[4][2];
-#pragma unroll
-            for (int nf = 0; nf < 4; ++nf) {
-                bf[nf][0] = __float_as_uint(bb[(kk + q) * BS + nf * 8]);
-                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * BS + nf * 8]);
-            }
-            mma_2x4(acc, a, bf);
+            state_kstep<4>(acc, xa, ST_STRIDE, bb, BS, ws, kk, q);
         }
         __syncwarp();  // not needed: the next stage's block barrier orders these reads before w is rewritten
     }
@@ -379,12 +391,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
     };
 
     float acc[2][8][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 8; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
+    zero_2x8(acc);
 
     __syncthreads();  // the base addresses
     issue(0);
@@ -410,24 +417,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
         const float* bb = bs + wn * 64 + g;               // B[l][n]
 #pragma unroll
         for (int kk = 0; kk < TK; kk += 8) {
-            const float w0 = ws[kk + q], w1 = ws[kk + q + 4];
-            const float4 x0 = *reinterpret_cast<const float4*>(xa + (kk + q) * SP_S);
-            const float4 x1 = *reinterpret_cast<const float4*>(xa + (kk + q + 4) * SP_S);
-            const unsigned a[2][4] = {
-                {__float_as_uint(x0.x * w0), __float_as_uint(x0.y * w0), __float_as_uint(x1.x * w1),
-                 __float_as_uint(x1.y * w1)},
-                {__float_as_uint(x0.z * w0), __float_as_uint(x0.w * w0), __float_as_uint(x1.z * w1),
-                 __float_as_uint(x1.w * w1)}};
-            unsigned bf[8][2];
-#pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                bf[nf][0] = __float_as_uint(bb[(kk + q) * SP_S + nf * 8]);
-                bf[nf][1] = __float_as_uint(bb[(kk + q + 4) * SP_S + nf * 8]);
-            }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
+            state_kstep<8>(acc, xa, SP_S, bb, SP_S, ws, kk, q);
         }
     }
 

@@ -49,6 +49,17 @@ fn run_cases(gpu: &ssd_gpu::Gpu, specs: &[(ProblemSpec, u64)]) -> (Vec<Verdict>,
     (verdicts, failures)
 }
 
+/// Fails with the first 20 failures when there are any.
+fn assert_none_failed(failures: &[String], cases: usize) {
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases exceed the bound:\n{}",
+        failures.len(),
+        cases,
+        failures[..failures.len().min(20)].join("\n")
+    );
+}
+
 #[test]
 fn gpu_fuzz_matches_float64_reference() {
     let Some(gpu) = gpu_or_skip("gpu_fuzz_matches_float64_reference") else {
@@ -79,18 +90,7 @@ fn gpu_fuzz_matches_float64_reference() {
         count(&|s| s.dims.dstate > 128),
         count(&|s| s.dims.headdim % 64 != 0),
     );
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases exceed the bound:\n{}",
-        failures.len(),
-        specs.len(),
-        failures
-            .iter()
-            .take(20)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    assert_none_failed(&failures, specs.len());
 }
 
 #[test]
@@ -106,18 +106,7 @@ fn gpu_fuzz_pair_kernel_shapes() {
         .collect();
     let (verdicts, failures) = run_cases(&gpu, &specs);
     summarise("pair kernel shapes", &verdicts);
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases exceed the bound:\n{}",
-        failures.len(),
-        specs.len(),
-        failures
-            .iter()
-            .take(20)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    assert_none_failed(&failures, specs.len());
 }
 
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
