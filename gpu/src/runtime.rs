@@ -252,11 +252,16 @@ impl Gpu {
     /// Whether the kernels over pairs of units serve `dims` with `options` on this device
     /// (see `docs/gpu.md`): `(2a, output kernel)`.
     pub fn uses_pair_kernels(&self, dims: &Dims, options: &Options) -> (bool, bool) {
-        let on = self.pairs && !self.legacy;
-        (
-            on && shape::state_pairs(dims),
-            on && shape::compute_out_pairs(dims, shape::score_tiles(dims, options)),
-        )
+        if self.legacy {
+            return (false, false);
+        }
+        let state = shape::state_local_variant(dims, self.pairs, self.max_smem_optin)
+            == shape::StateLocal::Pair;
+        // The output kernels that read the scores scratch run only where it is allocated.
+        let out = self.pairs
+            && shape::scores_len(dims, options).is_some()
+            && shape::compute_out_pairs(dims, shape::score_tiles(dims, options));
+        (state, out)
     }
 
     /// Waits until everything enqueued so far has finished.

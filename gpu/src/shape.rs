@@ -202,13 +202,20 @@ pub(crate) fn state_local_variant(dims: &Dims, pairs: bool, max_smem: usize) -> 
     }
 }
 
-/// Whether every offset the pair kernels' copies take from a row's first token (at most
-/// `seqlen` tokens of `x`, `B` or `C`) fits their 32-bit unsigned arithmetic.
-fn offsets_fit_u32(dims: &Dims) -> bool {
+/// What both pair kernels ask of a shape: an even number of units (head, 64 headdim columns)
+/// per group, so that no pair straddles two groups; 16-byte copies everywhere (headdim and
+/// dstate multiples of 4); and every offset their copies take from a row's first token (at most
+/// `seqlen` tokens of `x`, `B` or `C`) within their 32-bit unsigned arithmetic.
+fn units_pair_up(dims: &Dims) -> bool {
+    let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
     let widest = (dims.nheads * dims.headdim).max(dims.ngroups * dims.dstate);
-    dims.seqlen
-        .checked_mul(widest)
-        .is_some_and(|v| v < 1usize << 32)
+    units_per_group.is_multiple_of(2)
+        && dims.headdim.is_multiple_of(4)
+        && dims.dstate.is_multiple_of(4)
+        && dims
+            .seqlen
+            .checked_mul(widest)
+            .is_some_and(|v| v < 1usize << 32)
 }
 
 /// Dynamic shared memory of `ssd_compute_out_pair` (layout in `kernels/compute_out.cu`), in
@@ -217,16 +224,9 @@ fn offsets_fit_u32(dims: &Dims) -> bool {
 pub(crate) const COMPUTE_OUT_PAIR_SMEM_BYTES: usize = (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96;
 /// Whether the output kernel over pairs of units (`ssd_compute_out_pair`: two 64-column units
 /// of one group per block, sharing its C slabs and scores) serves this shape: chunks of two or
-/// more 64-row score tiles, 16-byte copies everywhere (headdim and dstate multiples of 4), and
-/// an even number of units (head, 64 headdim columns) per group, so that no pair straddles two
-/// groups.
+/// more 64-row score tiles, and what [`units_pair_up`] asks.
 pub(crate) fn compute_out_pairs(dims: &Dims, score_tiles: usize) -> bool {
-    let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
-    score_tiles >= 2
-        && offsets_fit_u32(dims)
-        && dims.headdim.is_multiple_of(4)
-        && dims.dstate.is_multiple_of(4)
-        && units_per_group.is_multiple_of(2)
+    score_tiles >= 2 && units_pair_up(dims)
 }
 
 /// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
@@ -244,15 +244,9 @@ pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize =
 pub(crate) const CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES: usize =
     (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64;
 /// Whether 2a over pairs of units (`ssd_chunk_state_local_pair`) serves this shape: dstate
-/// above 64 (its blocks span 128 dstate columns), 16-byte copies everywhere (headdim and
-/// dstate multiples of 4), and an even number of units per group (see [`compute_out_pairs`]).
+/// above 64 (its blocks span 128 dstate columns), and what [`units_pair_up`] asks.
 pub(crate) fn state_pairs(dims: &Dims) -> bool {
-    let units_per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(64);
-    dims.dstate > TILE_N
-        && offsets_fit_u32(dims)
-        && dims.headdim.is_multiple_of(4)
-        && dims.dstate.is_multiple_of(4)
-        && units_per_group.is_multiple_of(2)
+    dims.dstate > TILE_N && units_pair_up(dims)
 }
 
 /// Dynamic shared memory of the output kernel, in bytes, for `dstate`

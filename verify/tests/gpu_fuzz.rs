@@ -104,6 +104,24 @@ fn gpu_fuzz_pair_kernel_shapes() {
     let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
         .map(|k| (random_pair_spec(&mut rng, 4_000_000), 7_000_000 + first + k))
         .collect();
+    let taken = |which: fn((bool, bool)) -> bool| {
+        specs
+            .iter()
+            .filter(|(s, _)| which(gpu.uses_pair_kernels(&s.dims, &s.options)))
+            .count()
+    };
+    let (state_pairs, out_pairs) = (taken(|k| k.0), taken(|k| k.1));
+    println!(
+        "pair kernel shapes: pair 2a in {state_pairs}, pair output kernel in {out_pairs} of {} cases",
+        specs.len()
+    );
+    if out_pairs == 0 {
+        println!("gpu_fuzz_pair_kernel_shapes: skipped: this device runs no pair kernel");
+        return;
+    }
+    // Every drawn shape is one the pair output kernel serves: a generator that drifted would
+    // leave this test checking the other kernels.
+    assert_eq!(out_pairs, specs.len(), "shapes off the pair output kernel");
     let (verdicts, failures) = run_cases(&gpu, &specs);
     summarise("pair kernel shapes", &verdicts);
     assert_none_failed(&failures, specs.len());
