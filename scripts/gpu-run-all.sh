@@ -95,4 +95,4 @@ echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
 grep -h -o -E '(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
-[ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings' "$logs/all/triton-table.log"
+[ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings|^Triton' "$logs/all/triton-table.log"

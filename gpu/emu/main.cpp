@@ -82,10 +82,10 @@ int main(int argc, char** argv) {
     // new
     std::vector<float> cstN(nst, NAN), finN(nfs, NAN), outN(nx, NAN), outLN(nx, NAN);
     if (N > 64)  // the wide variant, as the host picks it: 128 dstate columns, 256 threads
-        launch({(unsigned)(nc * ptiles * ((N + 127) / 128)), (unsigned)H, (unsigned)B}, 256, (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4, [&] {
+        launch({(unsigned)(nc * ptiles * ((N + 127) / 128) * H), 1, (unsigned)B}, 256, (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4, [&] {
             ssd_chunk_state_local_wide(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
     else
-        launch({(unsigned)(nc * ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4, [&] {
+        launch({(unsigned)(nc * ptiles * ntiles * H), 1, (unsigned)B}, 128, (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4, [&] {
             ssd_chunk_state_local(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
     const int vec4 = (P * N) % 4 == 0 ? 1 : 0;
     launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
     const bool state_pairs = N > 64 && P % 4 == 0 && N % 4 == 0 && units_per_group2 % 2 == 0;
     std::vector<float> cstP(nst, NAN), finP(nfs, NAN);
     if (state_pairs) {
-        launch({(unsigned)(nc * ((N + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64, [&] {
+        launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64, [&] {
             ssd_chunk_state_local_pair(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstP.data(), L, H, P, G, N, Q, nc); });
         launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
             ssd_state_passing(dac.data(), initp, seqp, cstP.data(), finP.data(), L, H, P, N, Q, nc, vec4); });

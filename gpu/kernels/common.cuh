@@ -171,6 +171,16 @@ __device__ __forceinline__ void load_tile_tf32(float* dst, int dst_stride, const
                                            cols_valid - c0, nullptr, tid);
 }
 
+// 2a's blocks lie on a 1-D grid over (tile, unit), the unit fastest: blockIdx.x = tile * units
+// + unit, a tile being a chunk and a part of its state, a unit a head (or a pair of units of one
+// group). Consecutive blocks then read the same rows of B, which stay in L2 between them; with
+// the tile fastest a unit walked every chunk of a batch before the next unit began, and where a
+// batch's B outgrows the L2 (many chunks, few heads) it came back from DRAM once per unit.
+__device__ __forceinline__ void tile_and_unit(int units, int& tile, int& unit) {
+    tile = (int)(blockIdx.x / (unsigned)units);
+    unit = (int)(blockIdx.x % (unsigned)units);
+}
+
 // Asynchronous global -> shared copies (sm_80+). `valid == false` zero-fills the destination
 // without reading (the source address is then replaced by `fallback`, a valid address).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

@@ -146,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(
 //   w[l] = 2^((cs[last] - cs[l]) log2 e) * dt'[l],
 // started from zero. TN = 64 (4 warps, ssd_chunk_state_local) or 128 (8 warps,
 // ssd_chunk_state_local_wide, for dstate > 64: each x tile is read once per 128 columns instead
-// of once per 64). The grid's x is chunk-major: c * tiles + tile. The 64-token stages stream
+// of once per 64). The grid's x is (c * tiles + tile) * nheads + h (tile_and_unit: the heads of
+// one chunk run side by side and share its B rows in L2). The 64-token stages stream
 // through a cp.async double buffer: while stage k is multiplied, stage k + 1's x, B, cs, dt'
 // and seq_idx are in flight. Per stage, each warp first writes w of the stage's 64 tokens to
 // its own 64 floats of shared memory (no block barrier), then runs the product, warp (wm, wn)
@@ -202,11 +203,12 @@ __device__ __forceinline__ void chunk_state_local_body(
     const int wm = warp & 1, wn = warp >> 1;  // this warp's 32 x 32 part: rows p, columns n
     const int ntiles_n = (dstate + TN - 1) / TN;
     const int tiles = ((headdim + ST_TP - 1) / ST_TP) * ntiles_n;
-    const int c = blockIdx.x / tiles;
-    const int tile = blockIdx.x % tiles;
+    int ct, h;  // ct: chunk and tile
+    tile_and_unit(nheads, ct, h);
+    const int c = ct / tiles;
+    const int tile = ct % tiles;
     const int p0 = (tile / ntiles_n) * ST_TP;
     const int n0 = (tile % ntiles_n) * TN;
-    const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int grp = h / (nheads / ngroups);
     const int rows_p = min(ST_TP, headdim - p0);
@@ -321,7 +323,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_wide(
 // threads (8 warps, two blocks per SM) per (batch b, chunk c, 128 dstate columns n, pair of
 // units), a unit being a head h and 64 of its headdim rows p, as in the output kernel's pairs
 // (head-major order, both units of a pair in one group): both units read one copy of each B
-// tile from L2 instead of one each. Warp w computes unit w / 4, rows 32 ((w / 2) % 2) and
+// tile from L2 instead of one each (the grid's x is (c * ceil(dstate / 128) + n / 128) * pairs +
+// pair, tile_and_unit). Warp w computes unit w / 4, rows 32 ((w / 2) % 2) and
 // columns 64 (w % 2): a 32 x 64 tile, its A fragments through 16-byte loads of x scaled by w
 // of its unit's head as in 2a above. The 32-token stages (x of both units, B, cs and dt' of
 // both heads, seq) flow through a 3-stage cp.async ring, one barrier per stage.
@@ -339,12 +342,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
     float* ws = smem + 3 * SP_STAGE + warp * TK;  // this warp's w of the current stage
     const float** ptab = (const float**)(smem + 3 * SP_STAGE + 8 * TK);
     const int ntiles_n = (dstate + 127) / 128;
-    const int c = blockIdx.x / ntiles_n;
-    const int n0 = (blockIdx.x % ntiles_n) * 128;
     const int ptiles = (headdim + 63) / 64;
+    int ct, pair;  // ct: chunk and 128 dstate columns
+    tile_and_unit(nheads * ptiles / 2, ct, pair);
+    const int c = ct / ntiles_n;
+    const int n0 = (ct % ntiles_n) * 128;
     const int b = blockIdx.z;
-    const int h_0 = (2 * blockIdx.y) / ptiles, p_0 = ((2 * blockIdx.y) % ptiles) * 64;
-    const int h_1 = (2 * blockIdx.y + 1) / ptiles, p_1 = ((2 * blockIdx.y + 1) % ptiles) * 64;
+    const int h_0 = (2 * pair) / ptiles, p_0 = ((2 * pair) % ptiles) * 64;
+    const int h_1 = (2 * pair + 1) / ptiles, p_1 = ((2 * pair + 1) % ptiles) * 64;
     const int rows_0 = min(64, headdim - p_0), rows_1 = min(64, headdim - p_1);
     const int grp = h_0 / (nheads / ngroups);
     const int cols_n = min(128, dstate - n0);

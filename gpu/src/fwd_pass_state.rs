@@ -74,18 +74,21 @@ impl Gpu {
                 &self.chunk_state_local_fn,
             ),
         };
+        // 2a's blocks over (chunk and tile, unit), the unit fastest (kernels' `tile_and_unit`):
+        // x = (c * split_tiles + tile) * units + unit; the fused pass where that overflows i32.
+        let units = if pairs {
+            d.nheads * d.headdim.div_ceil(TILE_P) / 2
+        } else {
+            d.nheads
+        };
         let split_grid = nchunks
             .checked_mul(split_tiles)
+            .and_then(|g| g.checked_mul(units))
             .filter(|&g| g <= i32::MAX as usize);
         if let (false, Some(gx)) = (self.legacy, split_grid) {
             // 2a: every chunk's own state, in parallel.
-            let units = if pairs {
-                d.nheads * d.headdim.div_ceil(TILE_P) / 2
-            } else {
-                d.nheads
-            };
             let cfg = LaunchConfig {
-                grid_dim: (gx as u32, units as u32, d.batch as u32),
+                grid_dim: (gx as u32, 1, d.batch as u32),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
