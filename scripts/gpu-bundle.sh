@@ -32,7 +32,7 @@ for f in verify/tests/gpu_*.rs; do
   verify_tests+=(--test "$(basename "$f" .rs)")
 done
 {
-  cargo test --release -p ssd-gpu --test runtime --test wgmma --no-run --message-format=json
+  cargo test --release -p ssd-gpu --test runtime --no-run --message-format=json
   cargo test --release -p ssd-verify "${verify_tests[@]}" --no-run --message-format=json
 } | executables | while read -r name path; do
   cp "$path" "$bundle/bin/tests/$name"

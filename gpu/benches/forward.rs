@@ -131,12 +131,7 @@ fn bench(
     let (t, a, b, c) = (median(total), median(s1), median(s2), median(s3));
     let kind = |pair: bool| if pair { "pair" } else { "single" };
     let (state_pair, out_pair) = gpu.uses_pair_kernels(&dims, &options);
-    let out_kernel = if out_pair && gpu.uses_warpgroup_kernel() {
-        "pair-wgmma"
-    } else {
-        kind(out_pair)
-    };
-    let state_kernel = kind(state_pair);
+    let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
     let gbs = bytes / (t * 1e-3) / 1e9;
     println!(
         "{:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels 2a {state_kernel}, output {out_kernel}",

@@ -5,8 +5,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use crate::runtime::{int, opt_ptr};
 use crate::shape::{
     compute_out_cb_rows, compute_out_cb_smem_bytes, compute_out_pairs, compute_out_smem_bytes,
-    score_tiles, CHUNK_CB_SMEM_BYTES, COMPUTE_OUT_PAIR_SMEM_BYTES, COMPUTE_OUT_WG_SMEM_BYTES,
-    TILE_M, TILE_P,
+    score_tiles, CHUNK_CB_SMEM_BYTES, COMPUTE_OUT_PAIR_SMEM_BYTES, TILE_M, TILE_P,
 };
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
@@ -119,18 +118,12 @@ impl Gpu {
             let pairs = self.pairs && compute_out_pairs(&d, t);
             let (f, cfg) = if pairs {
                 // Two units (head, 64 headdim columns) per block, 128 rows, 256 threads.
-                // On sm_90a the same blocks with warpgroup products (`ssd_compute_out_wg`).
-                let (f, smem) = if self.wg {
-                    (&self.compute_out_wg_fn, COMPUTE_OUT_WG_SMEM_BYTES)
-                } else {
-                    (&self.compute_out_pair_fn, COMPUTE_OUT_PAIR_SMEM_BYTES)
-                };
                 let cfg = LaunchConfig {
                     grid_dim: (cfg.grid_dim.0, cfg.grid_dim.1 / 2, cfg.grid_dim.2),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: smem as u32,
+                    shared_mem_bytes: COMPUTE_OUT_PAIR_SMEM_BYTES as u32,
                 };
-                (f, cfg)
+                (&self.compute_out_pair_fn, cfg)
             } else if rows == 128 {
                 (&self.compute_out_cb128_fn, cfg)
             } else {
@@ -153,15 +146,14 @@ impl Gpu {
             }
             launch.arg(&tmax).arg(&vec);
             // SAFETY: the argument list matches `ssd_compute_out_cb`, `ssd_compute_out_cb128`
-            // and `ssd_compute_out_pair` in kernels/compute_out.cu and `ssd_compute_out_wg`
-            // (the pair kernel's arguments and grid) in kernels/compute_out_wg.cu, whose block size (2 * rows
+            // and `ssd_compute_out_pair` in kernels/compute_out.cu, whose block size (2 * rows
             // threads; 256 for pairs) and rows per block (128 for pairs) the grid above uses;
             // the pair kernel's grid covers nheads * ptiles / 2 pairs (an even count per group,
             // checked by `compute_out_pairs`, 16-byte copies only where `vec` holds); every
             // buffer was checked against the sizes, the scores were written by `ssd_chunk_cb`
             // just before on this stream, and the dynamic shared memory (73 KB, or 109 KB and
-            // 110 KB for pairs, 102 KB for the warpgroup kernel, checked against this device by
-            // `compute_out_cb_rows`, `pairs` and `wg`) was opted in at load.
+            // 110 KB for pairs, both checked against this device by `compute_out_cb_rows` and
+            // `pairs`) was opted in at load.
             unsafe { launch.launch(cfg) }?;
             return Ok(());
         }

@@ -20,8 +20,6 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/fwd_pass_state.cu"),
     "\n",
     include_str!("../kernels/compute_out.cu"),
-    "\n",
-    include_str!("../kernels/compute_out_wg.cu"),
 );
 
 /// Entry points of [`SOURCE`].
@@ -37,7 +35,6 @@ pub(crate) const CHUNK_CB: &str = "ssd_chunk_cb";
 pub(crate) const COMPUTE_OUT_CB: &str = "ssd_compute_out_cb";
 pub(crate) const COMPUTE_OUT_CB128: &str = "ssd_compute_out_cb128";
 pub(crate) const COMPUTE_OUT_PAIR: &str = "ssd_compute_out_pair";
-pub(crate) const COMPUTE_OUT_WG: &str = "ssd_compute_out_wg";
 
 /// The NVRTC target for a device of compute capability `major.minor`.
 ///

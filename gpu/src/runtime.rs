@@ -30,16 +30,12 @@ pub struct Gpu {
     pub(crate) compute_out_cb_fn: CudaFunction,
     pub(crate) compute_out_cb128_fn: CudaFunction,
     pub(crate) compute_out_pair_fn: CudaFunction,
-    /// The pair kernel on warpgroup products (sm_90a), where `wg` holds.
-    pub(crate) compute_out_wg_fn: CudaFunction,
     pub(crate) chunk_state_local_pair_fn: CudaFunction,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: their
     /// shared memory fits this device, and `SSD_GPU_PAIR=0` was not set at [`Gpu::new`] (that
     /// keeps `ssd_chunk_state_local_wide` and `ssd_compute_out_cb128` everywhere, for
     /// comparison).
     pub(crate) pairs: bool,
-    /// Whether the pair output kernel is `ssd_compute_out_wg` (see `uses_warpgroup_kernel`).
-    pub(crate) wg: bool,
     /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
     /// state pass and the output kernel that computes its own scores), kept selectable for
     /// comparison. Version 2, the default, was validated on the H200 like version 1.
@@ -106,7 +102,6 @@ impl Gpu {
         let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
         let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
         let compute_out_pair_fn = module.load_function(kernels::COMPUTE_OUT_PAIR)?;
-        let compute_out_wg_fn = module.load_function(kernels::COMPUTE_OUT_WG)?;
         let chunk_state_local_pair_fn = module.load_function(kernels::CHUNK_STATE_LOCAL_PAIR)?;
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
@@ -117,7 +112,6 @@ impl Gpu {
             &compute_out_cb_fn,
             &compute_out_cb128_fn,
             &compute_out_pair_fn,
-            &compute_out_wg_fn,
             &chunk_state_local_pair_fn,
             &chunk_state_local_fn,
             &chunk_state_local_wide_fn,
@@ -131,11 +125,6 @@ impl Gpu {
         let pairs = max_smem_optin
             >= shape::COMPUTE_OUT_PAIR_SMEM_BYTES.max(shape::CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES)
             && !std::env::var("SSD_GPU_PAIR").is_ok_and(|v| v == "0");
-        // The warpgroup output kernel: compiled for sm_90a only (empty on other targets).
-        let wg = pairs
-            && target == "sm_90a"
-            && max_smem_optin >= shape::COMPUTE_OUT_WG_SMEM_BYTES
-            && !std::env::var("SSD_GPU_WG").is_ok_and(|v| v == "0");
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // The context's default stream: no cross-stream event bookkeeping on every launch.
         let stream = ctx.default_stream();
@@ -152,10 +141,8 @@ impl Gpu {
             compute_out_cb_fn,
             compute_out_cb128_fn,
             compute_out_pair_fn,
-            compute_out_wg_fn,
             chunk_state_local_pair_fn,
             pairs,
-            wg,
             legacy,
             target,
             name,
@@ -237,12 +224,6 @@ impl Gpu {
                 256,
                 shape::COMPUTE_OUT_PAIR_SMEM_BYTES,
             ),
-            (
-                kernels::COMPUTE_OUT_WG,
-                &self.compute_out_wg_fn,
-                256,
-                shape::COMPUTE_OUT_WG_SMEM_BYTES,
-            ),
             (kernels::FWD_PASS_STATE, &self.fwd_pass_state_fn, 128, 0),
             (
                 kernels::COMPUTE_OUT,
@@ -281,13 +262,6 @@ impl Gpu {
             && shape::scores_len(dims, options).is_some()
             && shape::compute_out_pairs(dims, shape::score_tiles(dims, options));
         (state, out)
-    }
-
-    /// Whether the output kernel over pairs of units runs on warpgroup products
-    /// (`ssd_compute_out_wg`, sm_90a; `SSD_GPU_WG=0` turns it off) where
-    /// [`Gpu::uses_pair_kernels`] says the pair output kernel serves a shape.
-    pub fn uses_warpgroup_kernel(&self) -> bool {
-        self.wg
     }
 
     /// Waits until everything enqueued so far has finished.

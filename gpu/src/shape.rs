@@ -222,10 +222,6 @@ fn units_pair_up(dims: &Dims) -> bool {
 /// bytes: three stages of `2 * 128 * 36` floats, then `3 * 128`, then 96 bytes of base
 /// addresses.
 pub(crate) const COMPUTE_OUT_PAIR_SMEM_BYTES: usize = (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96;
-/// Dynamic shared memory of `ssd_compute_out_wg` (layout in `kernels/compute_out_wg.cu`: two
-/// stages of 8,704 floats, the decayed scores of both heads, cs_i, seq_i, 96 bytes of base
-/// addresses), in bytes.
-pub(crate) const COMPUTE_OUT_WG_SMEM_BYTES: usize = (2 * 8704 + 2 * 4096 + 3 * 128) * 4 + 96;
 /// Whether the output kernel over pairs of units (`ssd_compute_out_pair`: two 64-column units
 /// of one group per block, sharing its C slabs and scores) serves this shape: chunks of two or
 /// more 64-row score tiles, and what [`units_pair_up`] asks.
