@@ -9,9 +9,11 @@ mamba_ssm's Triton kernels on PYTHONPATH (the repository's `.anchors/` laid out 
 fetch-mamba-ssm, or `pip install mamba-ssm`). Without them it prints our timings alone.
 
 Triton is timed in N separate processes (default 3), one after the other: mamba_ssm's kernels
-pick their launch configurations by autotuning once per process, and that choice, made on a few
-noisy timings, moved Triton's median by up to 2.2x between runs at the small shapes. The table
-takes the fastest process's median (the harder anchor) and prints the range of all N.
+pick their launch configurations by autotuning once per process (one process of three took
+0.893 ms where the other two took 0.690 ms at (4, 16384, 8)). The table takes the fastest
+process's median (the harder anchor) and prints the slowest beside it. Between machines the
+spread is larger still (0.404 to 0.923 ms at (8, 2048, 24) on the H200s seen so far): compare
+only inside one run.
 """
 import json
 import os
