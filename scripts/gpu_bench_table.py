@@ -11,9 +11,9 @@ fetch-mamba-ssm, or `pip install mamba-ssm`). Without them it prints our timings
 Triton is timed in N separate processes (default 3), one after the other: mamba_ssm's kernels
 pick their launch configurations by autotuning once per process (one process of three took
 0.893 ms where the other two took 0.690 ms at (4, 16384, 8)). The table takes the fastest
-process's median (the harder anchor) and prints the slowest beside it. Between machines the
-spread is larger still (0.404 to 0.923 ms at (8, 2048, 24) on the H200s seen so far): compare
-only inside one run.
+process's median (the harder anchor) and prints the slowest beside it. Between runs on freshly
+started machines the spread is larger still (0.404 to 0.923 ms at (8, 2048, 24) on the H200s
+seen so far): compare only inside one run.
 """
 import json
 import os
