@@ -77,37 +77,23 @@ __device__ __forceinline__ void mma_16x64_nmajor(float (&acc)[8][4], const float
     }
 }
 
-// A warp's 32 x 32 quarter of a 64 x 64 tile (the 2 x 2 warp split): 2 row fragments of 16 by
-// 4 column fragments of 8.
-__device__ __forceinline__ void zero_2x4(float (&acc)[2][4][4]) {
+// A warp's 32 x (8 NF) part of a tile: 2 row fragments of 16 by NF column fragments of 8 (NF = 4:
+// a 32 x 32 quarter of a 64 x 64 tile, the 2 x 2 warp split; NF = 8: the pair kernels' 32 x 64).
+template <int NF>
+__device__ __forceinline__ void zero_2xn(float (&acc)[2][NF][4]) {
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int nf = 0; nf < 4; ++nf)
+        for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
 }
-__device__ __forceinline__ void mma_2x4(float (&acc)[2][4][4], const unsigned (&a)[2][4], const unsigned (&b)[4][2]) {
+template <int NF>
+__device__ __forceinline__ void mma_2xn(float (&acc)[2][NF][4], const unsigned (&a)[2][4], const unsigned (&b)[NF][2]) {
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int nf = 0; nf < 4; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
-}
-
-// A warp's 32 x 64 part (the pair kernels): 2 row fragments of 16 by 8 column fragments of 8.
-__device__ __forceinline__ void zero_2x8(float (&acc)[2][8][4]) {
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 8; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.0f;
-}
-__device__ __forceinline__ void mma_2x8(float (&acc)[2][8][4], const unsigned (&a)[2][4], const unsigned (&b)[8][2]) {
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < 8; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
+        for (int nf = 0; nf < NF; ++nf) mma_tf32(acc[mi][nf], a[mi], b[nf]);
 }
 
 // Copies a ROWS x 64 block of a row-major global matrix into shared memory, rounded to TF32,
@@ -327,29 +313,30 @@ __device__ __forceinline__ void round_block64_tf32(float* dst, int dst_stride, c
     }
 }
 
-// acc += A B^T for one warp's 32 x 32 part (rows 32 wm, columns 32 wn) over k in [0, kend)
-// (kend a multiple of 8) of two shared tiles at `stride` floats (a multiple of 4, rows 16-byte
-// aligned): A stored row-major ([row][k], shared address a_s in bytes), B stored n-major
-// ([n][k], b_s). Fragments through ldmatrix; raw f32 operands (the tensor cores truncate them
-// to TF32).
-__device__ __forceinline__ void mma_slab_2x4(float (&acc)[2][4][4], unsigned a_s, unsigned b_s, int stride,
-                                             int wm, int wn, int kend, int lane) {
+// acc += A B^T for one warp's 32 x (8 NF) part (rows a_row .. a_row + 31 of A, columns b_row ..
+// b_row + 8 NF - 1, i.e. rows of B) over k in [0, kend) (kend a multiple of 8) of two shared
+// tiles at `stride` floats (a multiple of 4, rows 16-byte aligned): A stored row-major ([row][k],
+// shared address a_s in bytes), B stored n-major ([n][k], b_s). Fragments through ldmatrix; raw
+// f32 operands (the tensor cores truncate them to TF32).
+template <int NF>
+__device__ __forceinline__ void mma_slab_2xn(float (&acc)[2][NF][4], unsigned a_s, unsigned b_s, int stride,
+                                             int a_row, int b_row, int kend, int lane) {
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 4;
     const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 4;
     for (int kk = 0; kk < kend; kk += 8) {
-        unsigned a[2][4], bf[4][2];
+        unsigned a[2][4], bf[NF][2];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
-            ldmatrix_x4(a[mi], a_s + (unsigned)((wm * 32 + mi * 16) * stride + kk + a_off) * 4u);
+            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * 16) * stride + kk + a_off) * 4u);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
+        for (int np = 0; np < NF / 2; ++np) {
             unsigned r4[4];
-            ldmatrix_x4(r4, b_s + (unsigned)((wn * 32 + np * 16) * stride + kk + b_off) * 4u);
+            ldmatrix_x4(r4, b_s + (unsigned)((b_row + np * 16) * stride + kk + b_off) * 4u);
             bf[2 * np][0] = r4[0];
             bf[2 * np][1] = r4[1];
             bf[2 * np + 1][0] = r4[2];
             bf[2 * np + 1][1] = r4[3];
         }
-        mma_2x4(acc, a, bf);
+        mma_2xn(acc, a, bf);
     }
 }

@@ -239,7 +239,7 @@ __device__ __forceinline__ void chunk_cb_body(float* smem, const float* __restri
         async_block64_v<VEC>(ta + 64 * CB_A, CB_A, bg + n0, tok_stride_b, rows_j, dstate - n0, tid);
     };
     float acc[2][4][4];
-    zero_2x4(acc);
+    zero_2xn(acc);
     const unsigned smem_base = smem_addr(smem);
     issue(0);
     cp_async_commit();
@@ -249,7 +249,7 @@ __device__ __forceinline__ void chunk_cb_body(float* smem, const float* __restri
         if (s + 1 < nslab) issue(s + 1);
         cp_async_commit();
         const unsigned ta_s = smem_base + (unsigned)((s & 1) * CB_BUF) * 4u;
-        mma_slab_2x4(acc, ta_s, ta_s + 64u * CB_A * 4u, CB_A, wm, wn, min(64, NK - s * 64), lane);
+        mma_slab_2xn(acc, ta_s, ta_s + 64u * CB_A * 4u, CB_A, wm * 32, wn * 32, min(64, NK - s * 64), lane);
     }
     float* dst = cbuf + ((((i64)b * nchunks + c) * ngroups + grp) * npairs + pair) * 4096;
 #pragma unroll
@@ -404,10 +404,10 @@ __device__ __forceinline__ void compute_out_cb_body(
     };
 
     float acc[2][4][4];
-    zero_2x4(acc);
+    zero_2xn(acc);
 
     // ldmatrix lane offset (floats) of an A fragment (16 rows x 8 k) of a row-major tile at
-    // stride CO2_A (the scores; mma_slab_2x4 computes its own).
+    // stride CO2_A (the scores; mma_slab_2xn computes its own).
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * CO2_A + (lane >> 4) * 4;
     const unsigned smem_base = smem_addr(smem);
     // The decay pass: this thread's 4 columns and 8 rows of the TM x 64 scores tile.
@@ -437,7 +437,7 @@ __device__ __forceinline__ void compute_out_cb_body(
         if (s < nslab) {
             if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
             const unsigned tb_s = ta_s + (unsigned)(TM * CO2_A) * 4u;
-            mma_slab_2x4(acc, ta_s, tb_s, CO2_A, wm, wn, min(64, NK - s * 64), lane);
+            mma_slab_2xn(acc, ta_s, tb_s, CO2_A, wm * 32, wn * 32, min(64, NK - s * 64), lane);
         } else {
             const int jt = s - nslab;
             if (s == nslab && nslab > 0 && split) {
@@ -544,7 +544,7 @@ __device__ __forceinline__ void compute_out_cb_body(
                     bf[nf][0] = __float_as_uint(xb[(kk + q) * CO_XSTRIDE + nf * 8]);
                     bf[nf][1] = __float_as_uint(xb[(kk + q + 4) * CO_XSTRIDE + nf * 8]);
                 }
-                mma_2x4(acc, a, bf);
+                mma_2xn(acc, a, bf);
             }
         }
     }
@@ -774,12 +774,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
     };
 
     float acc[2][8][4];
-    zero_2x8(acc);
+    zero_2xn(acc);
 
     const int r_w = wm * 32;  // the warp's first row in the block
     const bool rows_mma = r_w < rows_i;
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * CP_A + (lane >> 4) * 4;
-    const int b_off = ((lane & 7) + (lane >> 4) * 8) * CP_A + ((lane >> 3) & 1) * 4;
     const unsigned smem_base = smem_addr(smem);
     // The rows of this thread's fragments, r_w + 16 mi + g + 8 hf: log2(e) cs_i (-inf past the
     // chunk's end) and seq.
@@ -810,23 +809,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
         const unsigned ta_s = smem_base + (unsigned)((s % 3) * CP_STAGE) * 4u;
         if (s < nslab) {
             const unsigned tb_s = ta_s + (unsigned)(TM * CP_A) * 4u;
-            const int kend = min(32, NK - s * 32);
-            for (int kk = 0; kk < kend; kk += 8) {
-                unsigned a[2][4], bf[8][2];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-                    ldmatrix_x4(a[mi], ta_s + (unsigned)((r_w + mi * 16) * CP_A + kk + a_off) * 4u);
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    unsigned r4[4];
-                    ldmatrix_x4(r4, tb_s + (unsigned)((wn * 64 + np * 16) * CP_A + kk + b_off) * 4u);
-                    bf[2 * np][0] = r4[0];
-                    bf[2 * np][1] = r4[1];
-                    bf[2 * np + 1][0] = r4[2];
-                    bf[2 * np + 1][1] = r4[3];
-                }
-                mma_2x8(acc, a, bf);
-            }
+            mma_slab_2xn(acc, ta_s, tb_s, CP_A, r_w, wn * 64, min(32, NK - s * 32), lane);
             continue;
         }
         const int j0 = (s - nslab) * 32;
@@ -937,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair(CO_CB_
                 bf[nf][0] = __float_as_uint(xs[k0 * CP_X + nf * 8]);
                 bf[nf][1] = __float_as_uint(xs[k1 * CP_X + nf * 8]);
             }
-            mma_2x8(acc, a, bf);
+            mma_2xn(acc, a, bf);
         }
     }
 

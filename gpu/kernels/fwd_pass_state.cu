@@ -189,6 +189,34 @@ __device__ __forceinline__ void state_kstep(float (&acc)[2][NF][4], const float*
         for (int nf = 0; nf < NF; ++nf) mma_tf32(acc[mi][nf], a[mi], bf[nf]);
 }
 
+// Writes a warp's 32 x (8 NF) tile of 2a's accumulators, acc[mi][nf][2 hf + e] at row
+// wm 32 + 4 g + 2 mi + hf and column col0 + 8 nf + 2 q + e of the block's tile, into the
+// [headdim, dstate] state cst at (p0 + row, n0 + column), for rows < rows_p and columns <
+// cols_n: two floats at a time where both lie in and dstate is even (8-byte aligned), else one.
+template <int NF>
+__device__ __forceinline__ void store_state_tile(float* cst, const float (&acc)[2][NF][4], int dstate, int p0, int n0,
+                                                 int wm, int col0, int g, int q, int rows_p, int cols_n) {
+    const bool vec_out = (dstate & 1) == 0;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + 4 * g + 2 * mi + hf;
+            if (pr >= rows_p) continue;
+            float* row = cst + (i64)(p0 + pr) * dstate + n0;
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) {
+                const int nc = col0 + nf * 8 + 2 * q;
+                if (vec_out && nc + 1 < cols_n) {
+                    *reinterpret_cast<float2*>(row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+                } else {
+                    if (nc < cols_n) row[nc] = acc[mi][nf][2 * hf];
+                    if (nc + 1 < cols_n) row[nc + 1] = acc[mi][nf][2 * hf + 1];
+                }
+            }
+        }
+}
+
 template <int TN>
 __device__ __forceinline__ void chunk_state_local_body(
     float* smem, const float* __restrict__ x, const float* __restrict__ Bm, const float* __restrict__ dt_out,
@@ -216,7 +244,7 @@ __device__ __forceinline__ void chunk_state_local_body(
     float* ws = smem + 2 * BUF + warp * ST_TK;  // this warp's w of the current stage
 
     float acc[2][4][4];
-    zero_2x4(acc);
+    zero_2xn(acc);
     const i64 tok_stride_x = (i64)nheads * headdim;
     const i64 tok_stride_b = (i64)ngroups * dstate;
     const i64 t0 = (i64)c * chunk_size;
@@ -277,27 +305,8 @@ __device__ __forceinline__ void chunk_state_local_body(
         __syncwarp();  // not needed: the next stage's block barrier orders these reads before w is rewritten
     }
 
-    // acc[mi][nf][2 hf + u]: row wm 32 + 4 g + 2 mi + hf, column wn 32 + 8 nf + 2 q + u
     float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
-    const bool vec_out = (dstate & 1) == 0;
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + 4 * g + 2 * mi + hf;
-            if (pr >= rows_p) continue;
-            float* row = cst + (i64)(p0 + pr) * dstate + n0;
-#pragma unroll
-            for (int nf = 0; nf < 4; ++nf) {
-                const int nc = wn * 32 + nf * 8 + 2 * q;
-                if (vec_out && nc + 1 < cols_n) {
-                    *reinterpret_cast<float2*>(row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
-                } else {
-                    if (nc < cols_n) row[nc] = acc[mi][nf][2 * hf];
-                    if (nc + 1 < cols_n) row[nc + 1] = acc[mi][nf][2 * hf + 1];
-                }
-            }
-        }
+    store_state_tile(cst, acc, dstate, p0, n0, wm, wn * 32, g, q, rows_p, cols_n);
 }
 
 #define CHUNK_STATE_LOCAL_ARGS                                                                              \
@@ -396,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
     };
 
     float acc[2][8][4];
-    zero_2x8(acc);
+    zero_2xn(acc);
 
     __syncthreads();  // the base addresses
     issue(0);
@@ -426,22 +435,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(
         }
     }
 
-    // acc[mi][nf][2 hf + e]: row wm 32 + 4 g + 2 mi + hf, column wn 64 + 8 nf + 2 q + e
     float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + 4 * g + 2 * mi + hf;
-            if (pr >= rows_p) continue;
-            float* row = cst + (i64)(p0 + pr) * dstate + n0;
-#pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                const int nc = wn * 64 + nf * 8 + 2 * q;
-                if (nc < cols_n)  // cols_n is a multiple of 4: nc + 1 is in too
-                    *reinterpret_cast<float2*>(row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
-            }
-        }
+    store_state_tile(cst, acc, dstate, p0, n0, wm, wn * 64, g, q, rows_p, cols_n);
 }
 
 // 2b. The sequential pass across chunks, in place, one thread per (batch b, head h, V
