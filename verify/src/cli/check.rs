@@ -8,9 +8,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use serde::Serialize;
-use ssd_verify::fixture::{self, expected_shape, TensorFile};
-use ssd_verify::tolerance::{Oracle, OutputName, Precision, TensorReport, Verdict};
+use ssd_verify::fixture::{self, TensorFile};
+use ssd_verify::report::{check_candidate, check_candidate_shape, list_names, Labels};
+use ssd_verify::tolerance::{Oracle, OutputName, Precision};
 use ssd_verify::VerifyError;
 
 /// Check a kernel's outputs against a case: every output the candidate file holds (`out` at
@@ -39,19 +39,6 @@ pub struct Args {
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct Report<'a> {
-    case: String,
-    candidate: String,
-    precision: Precision,
-    unit_roundoff: f64,
-    passed: bool,
-    worst_ratio: f64,
-    tensors: &'a [TensorReport],
-    ignored: Vec<String>,
-    hint: Option<String>,
-}
-
 /// Runs the subcommand.
 ///
 /// # Errors
@@ -73,23 +60,18 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
                     path: args.candidate.clone(),
                     message: format!(
                         "tensor `out` is missing (the candidate must hold at least `out`; found: {})",
-                        list(&file.names())
+                        list_names(&file.names())
                     ),
                 });
             }
             continue;
         };
-        let want = expected_shape(name.name(), dims, chunk).expect("an output name");
-        if t.data.shape() != want.as_slice() {
-            return Err(VerifyError::Tensors {
+        check_candidate_shape(name, t.data.shape(), dims, chunk).map_err(|message| {
+            VerifyError::Tensors {
                 path: args.candidate.clone(),
-                message: format!(
-                    "tensor `{name}` has shape {:?}, expected {} = {want:?} from the case",
-                    t.data.shape(),
-                    fixture::layout(name.name()).unwrap_or("?")
-                ),
-            });
-        }
+                message,
+            }
+        })?;
         present.push((name, t));
     }
     let ignored: Vec<String> = file
@@ -101,39 +83,21 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     let oracle = Oracle::with_expected(problem, &loaded.case.expected);
     check_stored_magnitudes(&args.case, &loaded.case.expected, &oracle)?;
 
-    let compare = |precision: Precision| -> Result<Verdict, VerifyError> {
-        let tensors = present
-            .iter()
-            .map(|(name, t)| oracle.compare(*name, &t.data, t.dtype, precision))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Verdict { precision, tensors })
+    let tensors: Vec<_> = present
+        .iter()
+        .map(|(name, t)| (*name, &t.data, t.dtype))
+        .collect();
+    let labels = Labels {
+        case: args.case.display().to_string(),
+        candidate: args.candidate.display().to_string(),
     };
-    let verdict = compare(args.precision)?;
-    let hint = if verdict.passed() {
-        None
-    } else {
-        hint(args.precision, &verdict, &compare)?
-    };
-
+    let report = check_candidate(labels, problem, &oracle, &tensors, ignored, args.precision)?;
     if args.json {
-        let report = Report {
-            case: args.case.display().to_string(),
-            candidate: args.candidate.display().to_string(),
-            precision: args.precision,
-            unit_roundoff: args.precision.unit_roundoff(),
-            passed: verdict.passed(),
-            worst_ratio: verdict.max_ratio(),
-            tensors: &verdict.tensors,
-            ignored,
-            hint,
-        };
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| VerifyError::Usage(format!("cannot encode the report: {e}")))?;
-        println!("{text}");
+        println!("{}", report.to_json()?);
     } else {
-        print_table(args, problem, &verdict, &ignored, hint.as_deref());
+        print!("{}", report.text());
     }
-    Ok(if verdict.passed() {
+    Ok(if report.passed {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -179,129 +143,4 @@ fn check_stored_magnitudes(
         }
     }
     Ok(())
-}
-
-/// When a candidate fails at f64 or f32 but passes at TF32, it most likely is a TF32 kernel.
-fn hint(
-    precision: Precision,
-    verdict: &Verdict,
-    compare: &dyn Fn(Precision) -> Result<Verdict, VerifyError>,
-) -> Result<Option<String>, VerifyError> {
-    if verdict.tensors.iter().any(|t| t.non_finite > 0) {
-        return Ok(None);
-    }
-    if matches!(precision, Precision::F64 | Precision::F32) && compare(Precision::Tf32)?.passed() {
-        return Ok(Some(
-            "every element is within the TF32 bound: if the kernel multiplies with TF32 tensor cores (Triton's default for f32 dots), check it with --precision tf32".into(),
-        ));
-    }
-    Ok(None)
-}
-
-fn list(names: &[String]) -> String {
-    if names.is_empty() {
-        "no tensor".into()
-    } else {
-        names
-            .iter()
-            .map(|n| format!("`{n}`"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
-fn at(name: OutputName, index: &[usize]) -> String {
-    let parts: Vec<String> = name
-        .axes()
-        .iter()
-        .zip(index)
-        .map(|(a, i)| format!("{a} {i}"))
-        .collect();
-    format!("({})", parts.join(", "))
-}
-
-fn print_table(
-    args: &Args,
-    problem: &ssd_reference::Problem<f64>,
-    verdict: &Verdict,
-    ignored: &[String],
-    hint: Option<&str>,
-) {
-    let d = problem.dims();
-    println!(
-        "case {}: batch {}, seqlen {}, nheads {}, headdim {}, ngroups {}, dstate {}, chunk {}",
-        args.case.display(),
-        d.batch,
-        d.seqlen,
-        d.nheads,
-        d.headdim,
-        d.ngroups,
-        d.dstate,
-        problem.options().chunk_size
-    );
-    println!(
-        "candidate {}, checked as --precision {} (unit roundoff {:.3e})",
-        args.candidate.display(),
-        args.precision,
-        args.precision.unit_roundoff()
-    );
-    println!(
-        "{:<13} {:<6} {:>11} {:>11} {:>10} {:>14}  worst element",
-        "tensor", "dtype", "max abs err", "rel L2 err", "err/bound", "over bound"
-    );
-    for t in &verdict.tensors {
-        let worst = t
-            .worst
-            .as_ref()
-            .map(|w| at(t.name, &w.index))
-            .unwrap_or_default();
-        println!(
-            "{:<13} {:<6} {:>11.3e} {:>11.3e} {:>10.3e} {:>14}  {worst}",
-            t.name.name(),
-            t.dtype,
-            t.max_abs_error,
-            t.rel_l2,
-            t.max_ratio(),
-            format!("{}/{}", t.exceeding, t.elements),
-        );
-    }
-    if !ignored.is_empty() {
-        println!("ignored (not an output of the contract): {}", list(ignored));
-    }
-    if verdict.passed() {
-        println!(
-            "PASS: every element within its bound (worst error/bound {:.3})",
-            verdict.max_ratio()
-        );
-        return;
-    }
-    for t in verdict.tensors.iter().filter(|t| !t.passed()) {
-        if let Some(idx) = &t.first_non_finite {
-            println!(
-                "FAIL {}: {} non-finite element(s), the first at {}",
-                t.name,
-                t.non_finite,
-                at(t.name, idx)
-            );
-        }
-        if let Some(w) = &t.worst {
-            if w.ratio.is_finite() {
-                println!(
-                    "FAIL {}: {} element(s) over the bound; worst at {}: candidate {:.9e}, expected {:.9e}, error {:.3e}, bound {:.3e} ({:.3e}x), magnitude {:.3e}",
-                    t.name,
-                    t.exceeding - t.non_finite,
-                    at(t.name, &w.index),
-                    w.candidate,
-                    w.expected,
-                    w.error,
-                    w.bound,
-                    w.ratio,
-                    w.magnitude
-                );
-            }
-        }
-    }
-    if let Some(h) = hint {
-        println!("hint: {h}");
-    }
 }
