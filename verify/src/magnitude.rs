@@ -110,16 +110,50 @@ fn gate_parts(z: f64) -> (f64, f64) {
     ((z * sig).abs(), (1.0 + z * (1.0 - sig)).abs())
 }
 
-/// One (batch, head) lane's results, flat, channel-major per element.
-struct Lane {
-    /// `[seqlen][headdim][5]`
-    out: Vec<[f64; 5]>,
-    /// `[headdim * dstate][5]`
-    fin: Vec<[f64; 5]>,
-    /// `[nchunks * headdim * dstate][5]`
-    chunks: Vec<[f64; 5]>,
-    /// `[nchunks * chunk_size][2]`: magnitude and `acc` of `dA_cumsum`
-    cumsum: Vec<[f64; 2]>,
+/// One (batch, head) lane's part of every output channel (magnitude, acc, io, op, tok; the
+/// last two of `dA_cumsum` are zero), each slice lane-major: the lane writes its own memory.
+struct Lane<'a> {
+    /// `[seqlen * headdim]` per channel
+    out: Vec<&'a mut [f64]>,
+    /// `[headdim * dstate]` per channel
+    fin: Vec<&'a mut [f64]>,
+    /// `[nchunks * headdim * dstate]` per channel
+    chunks: Vec<&'a mut [f64]>,
+    /// `[nchunks * chunk_size]`: magnitude and `acc` of `dA_cumsum`
+    cumsum: Vec<&'a mut [f64]>,
+}
+
+impl Lane<'_> {
+    fn record(dst: &mut [&mut [f64]], at: usize, sm: &[f64], se: &[f64], sk: &[f64]) {
+        let n = sm.len();
+        let [m, e, io, op, k] = dst else {
+            unreachable!("five channels")
+        };
+        m[at..at + n].copy_from_slice(sm);
+        e[at..at + n].copy_from_slice(se);
+        for (j, &v) in sm.iter().enumerate() {
+            io[at + j] = 2.0 * v;
+            op[at + j] = 2.0 * v;
+        }
+        k[at..at + n].copy_from_slice(sk);
+    }
+}
+
+/// `channels` buffers of `lanes * per` values, split into one slice per (lane, channel).
+fn split_lanes(bufs: &mut [Vec<f64>], per: usize) -> Vec<Vec<&mut [f64]>> {
+    let mut columns: Vec<std::vec::IntoIter<&mut [f64]>> = bufs
+        .iter_mut()
+        .map(|b| b.chunks_mut(per.max(1)).collect::<Vec<_>>().into_iter())
+        .collect();
+    let lanes = columns.first().map_or(0, |c| c.len());
+    (0..lanes)
+        .map(|_| {
+            columns
+                .iter_mut()
+                .map(|c| c.next().expect("equal lengths"))
+                .collect()
+        })
+        .collect()
 }
 
 /// Computes the magnitudes and error budgets of every output of `p`.
@@ -130,53 +164,63 @@ pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
     let d = *p.dims();
     let nc = p.nchunks();
     let l = p.options().chunk_size;
-    let lanes: Vec<Lane> = (0..d.batch * d.nheads)
-        .into_par_iter()
-        .map(|bh| lane(p, bh / d.nheads, bh % d.nheads))
-        .collect();
-
     let (bsz, t_len, nh, hd, ds) = (d.batch, d.seqlen, d.nheads, d.headdim, d.dstate);
-    let mut out: Vec<Array4<f64>> = (0..5)
-        .map(|_| Array4::zeros((bsz, t_len, nh, hd)))
+    let nstate = hd * ds;
+    let lanes_n = bsz * nh;
+    let buffers = |per: usize, k: usize| -> Vec<Vec<f64>> { vec![vec![0.0; lanes_n * per]; k] };
+    let (mut out_b, mut fin_b) = (buffers(t_len * hd, 5), buffers(nstate, 5));
+    let (mut chunk_b, mut cs_b) = (buffers(nc * nstate, 5), buffers(nc * l, 2));
+    let lanes: Vec<Lane> = split_lanes(&mut out_b, t_len * hd)
+        .into_iter()
+        .zip(split_lanes(&mut fin_b, nstate))
+        .zip(split_lanes(&mut chunk_b, nc * nstate))
+        .zip(split_lanes(&mut cs_b, nc * l))
+        .map(|(((out, fin), chunks), cumsum)| Lane {
+            out,
+            fin,
+            chunks,
+            cumsum,
+        })
         .collect();
-    let mut fin: Vec<Array4<f64>> = (0..5).map(|_| Array4::zeros((bsz, nh, hd, ds))).collect();
-    let mut chunks: Vec<Array5<f64>> = (0..5)
-        .map(|_| Array5::zeros((bsz, nc, nh, hd, ds)))
+    lanes
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(bh, mut ln)| lane(p, bh / nh, bh % nh, &mut ln));
+
+    // Lane-major [batch, nheads, ...] into the contract's layouts.
+    let out: Vec<ArrayD<f64>> = out_b
+        .into_par_iter()
+        .map(|v| {
+            let a = Array4::from_shape_vec((bsz, nh, t_len, hd), v).expect("lane-major size");
+            a.permuted_axes([0, 2, 1, 3])
+                .as_standard_layout()
+                .into_owned()
+                .into_dyn()
+        })
         .collect();
-    let mut cs_mag = Array4::<f64>::zeros((bsz, nh, nc, l));
-    let mut cs_acc = Array4::<f64>::zeros((bsz, nh, nc, l));
-    for (bh, ln) in lanes.iter().enumerate() {
-        let (b, h) = (bh / nh, bh % nh);
-        for t in 0..t_len {
-            for pp in 0..hd {
-                let v = ln.out[t * hd + pp];
-                for (k, a) in out.iter_mut().enumerate() {
-                    a[[b, t, h, pp]] = v[k];
-                }
-            }
-        }
-        for pp in 0..hd {
-            for n in 0..ds {
-                let v = ln.fin[pp * ds + n];
-                for (k, a) in fin.iter_mut().enumerate() {
-                    a[[b, h, pp, n]] = v[k];
-                }
-                for c in 0..nc {
-                    let v = ln.chunks[(c * hd + pp) * ds + n];
-                    for (k, a) in chunks.iter_mut().enumerate() {
-                        a[[b, c, h, pp, n]] = v[k];
-                    }
-                }
-            }
-        }
-        for c in 0..nc {
-            for k in 0..l {
-                let [m, e] = ln.cumsum[c * l + k];
-                cs_mag[[b, h, c, k]] = m;
-                cs_acc[[b, h, c, k]] = e;
-            }
-        }
-    }
+    let fin: Vec<ArrayD<f64>> = fin_b
+        .into_iter()
+        .map(|v| {
+            Array4::from_shape_vec((bsz, nh, hd, ds), v)
+                .expect("lane-major size")
+                .into_dyn()
+        })
+        .collect();
+    let chunks: Vec<ArrayD<f64>> = chunk_b
+        .into_par_iter()
+        .map(|v| {
+            let a = Array5::from_shape_vec((bsz, nh, nc, hd, ds), v).expect("lane-major size");
+            a.permuted_axes([0, 2, 1, 3, 4])
+                .as_standard_layout()
+                .into_owned()
+                .into_dyn()
+        })
+        .collect();
+    let mut cs = cs_b
+        .into_iter()
+        .map(|v| Array4::from_shape_vec((bsz, nh, nc, l), v).expect("lane-major size"));
+    let cs_mag = cs.next().expect("two channels");
+    let cs_acc = cs.next().expect("two channels");
     let channels = |v: Vec<ArrayD<f64>>| {
         let mut it = v.into_iter();
         let mut next = || it.next().expect("five channels");
@@ -190,9 +234,9 @@ pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
     };
     let zeros = ArrayD::<f64>::zeros(cs_mag.shape());
     Magnitudes {
-        out: channels(out.into_iter().map(|a| a.into_dyn()).collect()),
-        final_states: channels(fin.into_iter().map(|a| a.into_dyn()).collect()),
-        chunk_states: channels(chunks.into_iter().map(|a| a.into_dyn()).collect()),
+        out: channels(out),
+        final_states: channels(fin),
+        chunk_states: channels(chunks),
         dA_cumsum: Channels {
             mag: cs_mag.into_dyn(),
             acc: cs_acc.into_dyn(),
@@ -206,12 +250,11 @@ pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
 
 /// The budget recurrence of one (batch, head) lane. See the module documentation and
 /// `docs/tolerances.md` for every coefficient.
-fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
+fn lane(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
     let d = *p.dims();
     let i = p.inputs();
     let (hd, ds) = (d.headdim, d.dstate);
     let l = p.options().chunk_size;
-    let nc = p.nchunks();
     let g = d.group_of_head(h);
     let a_abs = i.A[h].abs();
     let nstate = hd * ds;
@@ -235,20 +278,11 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
         }
     }
 
-    let mut lane = Lane {
-        out: vec![[0.0; 5]; d.seqlen * hd],
-        fin: vec![[0.0; 5]; nstate],
-        chunks: vec![[0.0; 5]; nc * nstate],
-        cumsum: vec![[0.0; 2]; nc * l],
-    };
-    let record = |dst: &mut [[f64; 5]], sm: &[f64], se: &[f64], sk: &[f64]| {
-        for k in 0..nstate {
-            dst[k] = [sm[k], se[k], 2.0 * sm[k], 2.0 * sm[k], sk[k]];
-        }
-    };
-
     let c_abs: Vec<f64> = (0..d.seqlen * ds)
         .map(|k| i.C[[b, k / ds, g, k % ds]].abs())
+        .collect();
+    let b_abs: Vec<f64> = (0..d.seqlen * ds)
+        .map(|k| i.B[[b, k / ds, g, k % ds]].abs())
         .collect();
     let mut prev_seq = 0i64;
     let mut cum_mag = 0.0; // sum of |a| since the chunk start
@@ -260,17 +294,19 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
             for k in 0..nstate {
                 se[k] += CROSSING * sm[k];
             }
-            let dst = &mut lane.chunks[c * nstate..(c + 1) * nstate];
+            let at = c * nstate;
             if c == 0 {
                 // chunk_states[:, 0] is initial_states, whatever seq_idx says.
                 for pp in 0..hd {
                     for n in 0..ds {
                         let v = init.map_or(0.0, |s0| s0[[b, h, pp, n]].abs());
-                        dst[pp * ds + n] = [v, v, 2.0 * v, 2.0 * v, 0.0];
+                        for (ch, w) in lane.chunks.iter_mut().zip([v, v, 2.0 * v, 2.0 * v, 0.0]) {
+                            ch[at + pp * ds + n] = w;
+                        }
                     }
                 }
             } else {
-                record(dst, &sm, &se, &sk);
+                Lane::record(&mut lane.chunks, at, &sm, &se, &sk);
             }
             cum_mag = 0.0;
             a_errs = 0.0;
@@ -299,37 +335,40 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
         cum_mag += a.abs();
         a_errs += a_err;
         let phi = pos * cum_mag + a_errs;
-        lane.cumsum[(t / l) * l + t % l] = [cum_mag, phi];
+        lane.cumsum[0][(t / l) * l + t % l] = cum_mag;
+        lane.cumsum[1][(t / l) * l + t % l] = phi;
         // A new term: products and exp, its place `pos` in the sum over chunk positions (one
         // more addition per later position, below), and the cumsum at both ends of its exp
         // argument (2 phi).
         let e0 = PRODUCTS + pos + 2.0 * phi;
 
+        // Every state element on its own (slices, so that the loop has no bounds checks and
+        // vectorises; the arithmetic per element is the same).
+        let b_t = &b_abs[t * ds..(t + 1) * ds];
         for pp in 0..hd {
             let xp = i.x[[b, t, h, pp]].abs();
-            let row = pp * ds;
-            for n in 0..ds {
-                let bn = i.B[[b, t, g, n]].abs();
+            let row = pp * ds..(pp + 1) * ds;
+            let lanes = se[row.clone()]
+                .iter_mut()
+                .zip(&mut sk[row.clone()])
+                .zip(&mut sm[row.clone()])
+                .zip(&mut scur[row])
+                .zip(b_t);
+            for ((((se_k, sk_k), sm_k), scur_k), &bn) in lanes {
                 let nt = dtp.abs() * xp * bn;
-                let k = row + n;
-                let m_old = sm[k];
-                se[k] = decay * (se[k] + inc * m_old + scur[k]) + e0 * nt + rho * xp * bn;
-                sk[k] = decay * (sk[k] + m_old);
-                sm[k] = decay * m_old + nt;
-                scur[k] = decay * scur[k] + nt;
+                let m_old = *sm_k;
+                *se_k = decay * (*se_k + inc * m_old + *scur_k) + e0 * nt + rho * xp * bn;
+                *sk_k = decay * (*sk_k + m_old);
+                *sm_k = decay * m_old + nt;
+                *scur_k = decay * *scur_k + nt;
             }
         }
 
         // Output level.
         let c_t = &c_abs[t * ds..(t + 1) * ds];
         for pp in 0..hd {
-            let row = pp * ds;
-            let (mut s1, mut s2, mut s3) = (0.0, 0.0, 0.0);
-            for n in 0..ds {
-                s1 += c_t[n] * sm[row + n];
-                s2 += c_t[n] * se[row + n];
-                s3 += c_t[n] * sk[row + n];
-            }
+            let row = pp * ds..(pp + 1) * ds;
+            let [s1, s2, s3] = dot3(c_t, [&sm[row.clone()], &se[row.clone()], &sk[row]]);
             let xp = i.x[[b, t, h, pp]].abs();
             let dx = p.d_skip(h, pp).abs() * xp;
             let m_y = s1 + dx;
@@ -352,21 +391,44 @@ fn lane(p: &Problem<f64>, b: usize, h: usize) -> Lane {
                     ]
                 }
             };
-            lane.out[t * hd + pp] = v;
+            for (ch, w) in lane.out.iter_mut().zip(v) {
+                ch[t * hd + pp] = w;
+            }
         }
     }
     // Positions past seqlen in the last chunk: the cumsum stays flat.
     let last = d.seqlen - 1;
     let phi = ((last % l) as f64) * cum_mag + a_errs;
     for k in (last % l + 1)..l {
-        lane.cumsum[(last / l) * l + k] = [cum_mag, phi];
+        lane.cumsum[0][(last / l) * l + k] = cum_mag;
+        lane.cumsum[1][(last / l) * l + k] = phi;
     }
     // The final pass out of the last chunk.
     for k in 0..nstate {
         se[k] += CROSSING * sm[k];
     }
-    record(&mut lane.fin, &sm, &se, &sk);
-    lane
+    Lane::record(&mut lane.fin, 0, &sm, &se, &sk);
+}
+
+/// `[c . v0, c . v1, c . v2]`, each summed in four interleaved partial sums (one per residue
+/// of the index mod 4, added pairwise at the end): a magnitude needs no particular order, and
+/// four independent chains keep the adds from waiting on each other.
+fn dot3(c: &[f64], v: [&[f64]; 3]) -> [f64; 3] {
+    let mut acc = [[0.0_f64; 4]; 3];
+    let n4 = c.len() / 4 * 4;
+    let (c4, c_tail) = c.split_at(n4);
+    for (a, v) in acc.iter_mut().zip(v) {
+        let (v4, v_tail) = v.split_at(n4);
+        for (cq, vq) in c4.chunks_exact(4).zip(v4.chunks_exact(4)) {
+            for q in 0..4 {
+                a[q] += cq[q] * vq[q];
+            }
+        }
+        for (j, (&cj, &vj)) in c_tail.iter().zip(v_tail).enumerate() {
+            a[j] += cj * vj;
+        }
+    }
+    acc.map(|a| (a[0] + a[1]) + (a[2] + a[3]))
 }
 
 /// `F` of [`Magnitudes::floor_scale`]: `(seqlen + 2) (dstate + 2) X (1 + max |z|)`, with `X`

@@ -15,7 +15,7 @@
 use ndarray::ArrayD;
 use serde_json::Value;
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
-use ssd_reference::{Dims, Options};
+use ssd_reference::{Dims, Options, Problem};
 
 use crate::error::VerifyError;
 use crate::fixture::{round_inputs, Case, CaseMeta, Expected, FloatDtype};
@@ -290,6 +290,23 @@ fn standard() -> Vec<CaseSpec> {
     ]
 }
 
+/// Every expected tensor a case carries, computed from its inputs: `out` and `final_states`
+/// from the float64 naive recurrence, `dA_cumsum` and `chunk_states` from the chunked path in
+/// f64, and the magnitudes `out_mag` and `final_states_mag` of the error bound.
+pub fn expected_outputs(problem: &Problem<f64>) -> Expected {
+    let ([out, final_states, da, chunk_states], mags) =
+        rayon::join(|| reference_outputs(problem), || magnitudes(problem));
+    let fixed4 = |a: ArrayD<f64>| a.into_dimensionality().expect("contract shape");
+    Expected {
+        out: Some(fixed4(out)),
+        final_states: Some(fixed4(final_states)),
+        dA_cumsum: Some(fixed4(da)),
+        chunk_states: Some(chunk_states.into_dimensionality().expect("contract shape")),
+        out_mag: Some(fixed4(mags.out.mag)),
+        final_states_mag: Some(fixed4(mags.final_states.mag)),
+    }
+}
+
 /// Draws case `spec` with `seed` and computes its expected outputs and magnitudes from the
 /// inputs as they will be stored.
 ///
@@ -300,17 +317,7 @@ pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyErr
     let drawn = random_problem(&spec.spec, seed)
         .map_err(|e| VerifyError::Usage(format!("case `{}`: {e}", spec.name)))?;
     let problem = round_inputs(&drawn, spec.input_dtype)?;
-    let ([out, final_states, da, chunk_states], mags) =
-        rayon::join(|| reference_outputs(&problem), || magnitudes(&problem));
-    let fixed4 = |a: ArrayD<f64>| a.into_dimensionality().expect("contract shape");
-    let expected = Expected {
-        out: Some(fixed4(out)),
-        final_states: Some(fixed4(final_states)),
-        dA_cumsum: Some(fixed4(da)),
-        chunk_states: Some(chunk_states.into_dimensionality().expect("contract shape")),
-        out_mag: Some(fixed4(mags.out.mag)),
-        final_states_mag: Some(fixed4(mags.final_states.mag)),
-    };
+    let expected = expected_outputs(&problem);
     let mut extra = serde_json::Map::new();
     extra.insert("suite".into(), Value::from(suite.name()));
     extra.insert(
