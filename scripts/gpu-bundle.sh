@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this machine (release), everything the GPU machine needs and lays it out in the
 # git-ignored folder gpu-bundle/: the GPU test binaries (ssd-gpu's `runtime`, ssd-verify's
-# gpu_*), the forward benchmark, ssd-oracle, the fixtures, the Triton anchor (.anchors/, when
+# gpu_*), the forward benchmark, ssd-oracle, the Python package's wheel and tests, the
+# fixtures, the Triton anchor (.anchors/, when
 # fetched with the anchors' fetch-mamba-ssm) and run-all.sh. Then, on the GPU machine:
 #   bash gpu-bundle/run-all.sh [--quick]
 # The binaries find their data through SSD_FIXTURES_DIR (set by run-all.sh), never through
@@ -45,6 +46,16 @@ else
   echo "warning: ssd-oracle did not build; the bundle goes without it" >&2
 fi
 
+# The Python package as a wheel (abi3: any CPython >= 3.10 there), its tests, and pytest's own
+# wheels (the GPU machine has no network).
+if python3 -m pip wheel -q --no-deps -w "$bundle/wheels" ./python &&
+  python3 -m pip download -q --only-binary=:all: -d "$bundle/wheels" pytest; then
+  mkdir -p "$bundle/python" && cp -r python/tests "$bundle/python/tests"
+  rm -rf "$bundle/python/tests/__pycache__"
+else
+  echo "warning: the Python package did not build; the bundle goes without it" >&2
+  rm -rf "$bundle/wheels"
+fi
 [ -d fixtures ] && cp -r fixtures "$bundle/fixtures"
 [ -d .anchors ] && cp -r .anchors "$bundle/anchors"
 cp scripts/gpu_bench_table.py "$bundle/"

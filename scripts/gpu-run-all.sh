@@ -7,7 +7,9 @@
 #    shapes (ragged seqlen, seq_idx, ngroups > 1, every option, dstate 256, chunk 256 and the
 #    largest chunk size);
 # 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, when the CLI has it;
-# 4. the benchmark against mamba_ssm's Triton forward (skipped with --quick and --no-bench;
+# 4. the Python package's pytest suite (when the bundle has its wheel), mamba_ssm's Triton forward
+#    checked in-process among it;
+# 5. the benchmark against mamba_ssm's Triton forward (skipped with --quick and --no-bench;
 #    --bench-only runs it alone);
 # --quick also cuts the fuzz suite to 200 cases (SSD_GPU_CASES overrides).
 # then prints a summary table last. Logs go to $SSD_LOG_DIR (default: logs/ beside this file),
@@ -77,6 +79,16 @@ if [ -x bin/ssd-oracle ] && [ -d fixtures ]; then
     [ $fail -eq 0 ]
   }
   step oracle-gpu-check 'oracle:|FAILED|error' oracle
+fi
+
+if [ -d wheels ] && [ -d python/tests ]; then
+  # The Python package's pytest suite, with torch and mamba_ssm's Triton kernels in-process.
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    wheels/*.whl >"$logs/all/pip.log" 2>&1
+  step python-pytest 'passed|failed|error' env PYTHONUNBUFFERED=1 \
+    PYTHONPATH="$site:$here/anchors${PYTHONPATH:+:$PYTHONPATH}" SSD_ORACLE_BIN="$here/bin/ssd-oracle" \
+    python3 -m pytest -q -s -rs -p no:cacheprovider python/tests
 fi
 fi
 
