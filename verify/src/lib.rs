@@ -8,8 +8,10 @@
 //!   outputs with the float64 reference; [`magnitude`] computes its magnitudes.
 //! - [`fuzz`]: proptest strategies for valid problems over every size and option.
 //! - [`suites`]: the fixture suites `ssd-oracle gen` writes.
-//! - [`report`]: the checker's report (table and JSON), shared by every front end.
+//! - [`report`]: the checker's report (table and JSON), shared by every front end;
+//!   [`diagnose`] its failure map and hints.
 
+pub mod diagnose;
 pub mod error;
 pub mod fixture;
 pub mod fuzz;

@@ -1,0 +1,181 @@
+//! The hints, measured: every deliberately wrong variant of the chunked path
+//! (`common::faults`) run through the checker's report on the fuzz suite's default number of
+//! cases (fixed seed, the power test's cases), all four tensors, computed in f32 and checked at
+//! f32, and computed with TF32 operands and checked at tf32. For each fault: on how many
+//! failing cases the first hint names the stage the fault is in (right), another stage
+//! (wrong), or nothing (none). Prints the table of `docs/tolerances.md`.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::faults::{self, Fault, Rounding};
+use common::fixed_cases;
+use ndarray::ArrayD;
+use rayon::prelude::*;
+use ssd_reference::{ChunkedOutput, Problem};
+use ssd_verify::diagnose::Stage;
+use ssd_verify::fixture::Dtype;
+use ssd_verify::fuzz::DEFAULT_CASES;
+use ssd_verify::report::{check_candidate, Labels, Report};
+use ssd_verify::tolerance::{Oracle, OutputName, Precision};
+
+/// The stage each fault is in.
+fn stage_of(f: Fault) -> Stage {
+    match f {
+        Fault::None => unreachable!("not a fault"),
+        Fault::CausalMaskOffByOne => Stage::CausalMask,
+        Fault::DecayWrongEnd => Stage::ChunkState,
+        Fault::LastPartialChunk => Stage::LastPartialChunk,
+        Fault::GroupModulo => Stage::GroupMapping,
+        Fault::SoftplusThreshold | Fault::DtBiasIgnored | Fault::DtLimitIgnored => {
+            Stage::DtProcessing
+        }
+        Fault::DAfterGate | Fault::GateWithoutZ => Stage::Epilogue,
+        Fault::InitialStateDropped => Stage::InitialState,
+        Fault::SeqIdxResetMissedAtChunkStart => Stage::SeqIdxReset,
+        Fault::StatePassingNoDecay => Stage::StatePassing,
+    }
+}
+
+fn report(
+    p: &Problem<f64>,
+    oracle: &Oracle,
+    out: &ChunkedOutput<f32>,
+    precision: Precision,
+) -> Report {
+    let w = |a: ArrayD<f32>| a.mapv(f64::from);
+    let t = [
+        (OutputName::Out, w(out.out.clone().into_dyn())),
+        (
+            OutputName::FinalStates,
+            w(out.final_states.clone().into_dyn()),
+        ),
+        (OutputName::DACumsum, w(out.dA_cumsum.clone().into_dyn())),
+        (
+            OutputName::ChunkStates,
+            w(out.chunk_states.clone().into_dyn()),
+        ),
+    ];
+    let present: Vec<_> = t.iter().map(|(n, a)| (*n, a, Dtype::F32)).collect();
+    check_candidate(
+        Labels::default(),
+        p,
+        oracle,
+        &present,
+        Vec::new(),
+        precision,
+    )
+    .expect("shapes agree")
+}
+
+#[derive(Default, Clone)]
+struct Tally {
+    failing: usize,
+    right: usize,
+    wrong: usize,
+    none: usize,
+    /// hint stage (or "none") -> count, for the table.
+    seen: BTreeMap<String, usize>,
+}
+
+impl Tally {
+    fn add(&mut self, fault: Fault, r: &Report) {
+        if r.passed {
+            assert!(r.hints.is_empty(), "a passing report with a hint");
+            return;
+        }
+        self.failing += 1;
+        let key = match r.hints.first() {
+            None => {
+                self.none += 1;
+                "none".to_string()
+            }
+            Some(h) if h.stage == stage_of(fault) => {
+                self.right += 1;
+                format!("{} ({})", h.stage, h.confidence)
+            }
+            Some(h) => {
+                self.wrong += 1;
+                format!("{} ({})", h.stage, h.confidence)
+            }
+        };
+        *self.seen.entry(key).or_default() += 1;
+    }
+}
+
+#[test]
+fn hints_name_the_faulty_stage() {
+    let n = DEFAULT_CASES as usize;
+    let cases = fixed_cases(n, 7);
+    let per_case: Vec<Vec<(Report, Report)>> = cases
+        .par_iter()
+        .map(|case| {
+            let p = case.problem();
+            let oracle = Oracle::new(&p);
+            let p32 = p.cast::<f32>();
+            // The correct variant: no failure, no hint.
+            let ok = report(
+                &p,
+                &oracle,
+                &faults::forward(&p32, Fault::None, Rounding::None),
+                Precision::F32,
+            );
+            assert!(ok.passed && ok.hints.is_empty(), "{case}: {:?}", ok.hints);
+            Fault::WRONG
+                .iter()
+                .map(|&f| {
+                    (
+                        report(
+                            &p,
+                            &oracle,
+                            &faults::forward(&p32, f, Rounding::None),
+                            Precision::F32,
+                        ),
+                        report(
+                            &p,
+                            &oracle,
+                            &faults::forward(&p32, f, Rounding::Tf32),
+                            Precision::Tf32,
+                        ),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    println!("fault | failing @f32 | right | wrong | none | failing @tf32 | right | wrong | none | first hints @f32");
+    let (mut right, mut wrong, mut none) = (0, 0, 0);
+    let mut weak = Vec::new();
+    for (k, &f) in Fault::WRONG.iter().enumerate() {
+        let (mut a, mut b) = (Tally::default(), Tally::default());
+        for v in &per_case {
+            a.add(f, &v[k].0);
+            b.add(f, &v[k].1);
+        }
+        let seen: Vec<String> = a.seen.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        println!(
+            "{f:?} | {} | {} | {} | {} | {} | {} | {} | {} | {}",
+            a.failing,
+            a.right,
+            a.wrong,
+            a.none,
+            b.failing,
+            b.right,
+            b.wrong,
+            b.none,
+            seen.join(", ")
+        );
+        right += a.right + b.right;
+        wrong += a.wrong + b.wrong;
+        none += a.none + b.none;
+        // Every fault gets a hint, and the right one more often than any other answer.
+        if a.right == 0 || a.right < a.wrong + a.none || b.right < b.wrong + b.none {
+            weak.push(format!("{f:?}"));
+        }
+    }
+    println!("total: right {right}, wrong {wrong}, none {none}");
+    assert!(
+        weak.is_empty(),
+        "faults whose hint is mostly not the right stage: {weak:?}"
+    );
+}
