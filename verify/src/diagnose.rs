@@ -782,7 +782,8 @@ fn hints(
                 "chunk 0 of chunk_states passes and chunks {} fail",
                 ranges(f)
             ),
-            _ => "final_states fails while the states entering the chunks pass".to_string(),
+            Some(_) => "final_states fails while the states entering the chunks pass".to_string(),
+            None => "final_states fails (chunk_states not given)".to_string(),
         };
         let (hyp_chunks, hyp_final) = passing_without_decay(p);
         let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
