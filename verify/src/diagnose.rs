@@ -31,7 +31,8 @@
 //! A [`Hint`] names a [`Stage`] only when a rule's condition holds; nothing is said otherwise.
 //! `u` is the unit roundoff of the precision checked; "equals the hypothesis" means every
 //! element within the slack given, the same test as the check itself with the hypothesis in
-//! place of the reference.
+//! place of the reference, and the hypothesis differs from the reference by more than the
+//! bound somewhere (else it is no mistake on this case).
 //! The rules, in order (the first that fires gives the hint):
 //!
 //! 1. `dA_cumsum` fails only at `past_seqlen` positions: the last partial chunk (sure).
@@ -252,20 +253,44 @@ impl fmt::Display for Confidence {
     }
 }
 
+/// What a hint rests on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Basis {
+    /// The candidate equals, within its bound, the reference with that one mistake (or, for
+    /// the precision, the reference at another precision's bound).
+    Explained,
+    /// The map's pattern (where the elements over the bound are).
+    Pattern,
+}
+
 /// A likely explanation of a failure.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Hint {
     pub stage: Stage,
     pub confidence: Confidence,
+    pub basis: Basis,
     /// What was seen and what it points to.
     pub text: String,
 }
 
 impl Hint {
+    /// A hint from the map's pattern.
     pub(crate) fn new(stage: Stage, confidence: Confidence, text: impl Into<String>) -> Self {
         Hint {
             stage,
             confidence,
+            basis: Basis::Pattern,
+            text: text.into(),
+        }
+    }
+
+    /// A sure hint: the candidate is explained by the mistake it names.
+    pub(crate) fn explained(stage: Stage, text: impl Into<String>) -> Self {
+        Hint {
+            stage,
+            confidence: Confidence::Sure,
+            basis: Basis::Explained,
             text: text.into(),
         }
     }
@@ -615,25 +640,36 @@ pub fn ranges(v: &[usize]) -> String {
     parts.join(", ")
 }
 
-/// Every element of `cand` is within `scale * bound + slack * |hyp|` of the hypothesis
-/// `(hyp, scale)`, skipping the elements where it is `None` (it says nothing there); false when
-/// no element is tested. `scale` carries the bound over to a hypothesis that divides the
-/// reference.
-fn explains(
-    cand: &[f64],
-    bounds: &[f64],
-    slack: f64,
-    hyp: impl Fn(usize) -> Option<(f64, f64)>,
-) -> bool {
+/// A candidate tensor, its bounds and its reference, row-major.
+struct Tensor {
+    cand: Vec<f64>,
+    bounds: Vec<f64>,
+    reference: Vec<f64>,
+}
+
+/// Whether a hypothesis explains a candidate tensor: every tested element of the candidate is
+/// within `scale * bound + slack * |hyp|` of the hypothesis `(hyp, scale)` (elements where it
+/// is `None` are skipped: it says nothing there; `scale` carries the bound over to a
+/// hypothesis that divides the reference), at least one element is tested, and (`distinct`)
+/// whether the hypothesis differs from the reference by more than the bound somewhere: a
+/// hypothesis that does not is no mistake on this case and explains nothing.
+fn explains(t: &Tensor, slack: f64, hyp: impl Fn(usize) -> Option<(f64, f64)>) -> (bool, bool) {
     let mut tested = 0usize;
-    for (i, (&c, &b)) in cand.iter().zip(bounds).enumerate() {
+    let mut distinct = false;
+    for (i, ((&c, &b), &r)) in t.cand.iter().zip(&t.bounds).zip(&t.reference).enumerate() {
         let Some((h, scale)) = hyp(i) else { continue };
         tested += 1;
         if !c.is_finite() || !h.is_finite() || (c - h).abs() > scale * b + slack * h.abs() {
-            return false;
+            return (false, false);
         }
+        distinct |= (h - r).abs() > scale * b;
     }
-    tested > 0
+    (tested > 0, distinct)
+}
+
+/// A hypothesis explains the tensor and is a mistake on this case.
+fn explained(t: &Tensor, slack: f64, hyp: impl Fn(usize) -> Option<(f64, f64)>) -> bool {
+    explains(t, slack, hyp) == (true, true)
 }
 
 fn hints(
@@ -644,12 +680,16 @@ fn hints(
     maps: &[TensorMap],
 ) -> Vec<Hint> {
     let map = |n: OutputName| maps.iter().find(|m| m.tensor == n);
+    let flat = |a: &ArrayD<f64>| a.as_standard_layout().iter().copied().collect::<Vec<f64>>();
     let cand = |n: OutputName| {
-        present.iter().find(|(m, _, _)| *m == n).map(|(_, t, dt)| {
-            let s = t.as_standard_layout().into_owned();
-            let b = oracle.bounds(n, precision, *dt);
-            (s, b)
-        })
+        present
+            .iter()
+            .find(|(m, _, _)| *m == n)
+            .map(|(_, t, dt)| Tensor {
+                cand: flat(t),
+                bounds: flat(&oracle.bounds(n, precision, *dt)),
+                reference: flat(oracle.reference(n)),
+            })
     };
     let u = precision.unit_roundoff();
     let d = *p.dims();
@@ -668,14 +708,12 @@ fn hints(
                 ),
             )];
         }
-        if let Some((c, b)) = cand(OutputName::DACumsum) {
+        if let Some(t) = cand(OutputName::DACumsum) {
             for (what, f) in dt_variants(p) {
                 let cs = variant_cumsum(p, &f);
-                let (c, b, cs) = (c.as_slice().unwrap(), b.as_slice().unwrap(), &cs);
-                if explains(c, b, 8.0 * u, |i| Some((cs[i], 1.0))) {
-                    return vec![Hint::new(
+                if explained(&t, 8.0 * u, |i| Some((cs[i], 1.0))) {
+                    return vec![Hint::explained(
                         Stage::DtProcessing,
-                        Confidence::Sure,
                         format!("dA_cumsum is the cumsum of dt' computed {what}: the dt processing (dt' = clamp(softplus(dt + dt_bias), dt_limit))"),
                     )];
                 }
@@ -705,24 +743,24 @@ fn hints(
                 continue;
             };
             let v = chunked::forward(&pv, MatmulPrecision::Native);
-            let all = tensors.iter().all(|(n, (c, b))| {
-                let h = match n {
-                    OutputName::Out => v.out.view().into_dyn(),
-                    OutputName::FinalStates => v.final_states.view().into_dyn(),
-                    OutputName::DACumsum => v.dA_cumsum.view().into_dyn(),
-                    OutputName::ChunkStates => v.chunk_states.view().into_dyn(),
-                };
-                let h = h.as_standard_layout();
-                let h = h.as_slice().expect("standard layout");
-                let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
-                explains(c.as_slice().unwrap(), b.as_slice().unwrap(), slack, |i| {
-                    Some((h[i], 1.0))
+            let results: Vec<(bool, bool)> = tensors
+                .iter()
+                .map(|(n, t)| {
+                    let h = match n {
+                        OutputName::Out => v.out.view().into_dyn(),
+                        OutputName::FinalStates => v.final_states.view().into_dyn(),
+                        OutputName::DACumsum => v.dA_cumsum.view().into_dyn(),
+                        OutputName::ChunkStates => v.chunk_states.view().into_dyn(),
+                    };
+                    let h = h.as_standard_layout();
+                    let h = h.as_slice().expect("standard layout");
+                    let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
+                    explains(t, slack, |i| Some((h[i], 1.0)))
                 })
-            });
-            if all {
-                return vec![Hint::new(
+                .collect();
+            if results.iter().all(|r| r.0) && results.iter().any(|r| r.1) {
+                return vec![Hint::explained(
                     Stage::DtProcessing,
-                    Confidence::Sure,
                     format!("every output equals the reference with dt' computed {what}: the dt processing (dt' = clamp(softplus(dt + dt_bias), dt_limit))"),
                 )];
             }
@@ -787,26 +825,20 @@ fn hints(
         };
         let (hyp_chunks, hyp_final) = passing_without_decay(p);
         let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
-        let tested: Vec<bool> = [
+        let tested: Vec<(bool, bool)> = [
             (OutputName::ChunkStates, hyp_chunks.into_dyn()),
             (OutputName::FinalStates, hyp_final.into_dyn()),
         ]
         .into_iter()
         .filter_map(|(n, h)| {
-            let (c, b) = cand(n)?;
+            let t = cand(n)?;
             let h = h.as_slice().expect("fresh array").to_vec();
-            Some(explains(
-                c.as_slice().unwrap(),
-                b.as_slice().unwrap(),
-                slack,
-                |i| Some((h[i], 1.0)),
-            ))
+            Some(explains(&t, slack, |i| Some((h[i], 1.0))))
         })
         .collect();
-        if !tested.is_empty() && tested.iter().all(|&t| t) {
-            return vec![Hint::new(
+        if !tested.is_empty() && tested.iter().all(|r| r.0) && tested.iter().any(|r| r.1) {
+            return vec![Hint::explained(
                 Stage::StatePassing,
-                Confidence::Sure,
                 format!(
                     "{seen}; the states equal S_(c+1) = S_c + states_c: the state passing does not decay the carried state by exp(dA_cumsum at the chunk's end)"
                 ),
@@ -825,13 +857,10 @@ fn hints(
         return Vec::new();
     };
     // 5. Explained by an epilogue or mask mistake.
-    if let Some((c, b)) = cand(OutputName::Out) {
-        let (c, b) = (c.as_slice().unwrap(), b.as_slice().unwrap());
-        let r = oracle.reference(OutputName::Out).as_standard_layout();
-        let r = r.as_slice().unwrap();
-        for (stage, what, hyp) in out_hypotheses(p, r) {
-            if explains(c, b, 8.0 * u, hyp) {
-                return vec![Hint::new(stage, Confidence::Sure, what)];
+    if let Some(t) = cand(OutputName::Out) {
+        for (stage, what, hyp) in out_hypotheses(p, &t.reference) {
+            if explained(&t, 8.0 * u, hyp) {
+                return vec![Hint::explained(stage, what)];
             }
         }
     }
@@ -1076,4 +1105,79 @@ pub fn summary(m: &TensorMap) -> String {
         }
     }
     parts.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ssd_reference::random::{random_problem, ProblemSpec, SeqIdx};
+    use ssd_reference::Dims;
+
+    #[test]
+    fn ranges_are_compact() {
+        assert_eq!(ranges(&[0, 2, 3, 4, 9]), "0, 2-4, 9");
+        assert_eq!(ranges(&[]), "");
+        let many: Vec<usize> = (0..40).step_by(2).collect();
+        assert!(ranges(&many).ends_with("(20 runs)"));
+    }
+
+    #[test]
+    fn the_map_of_out_puts_each_element_in_its_bins() {
+        // batch 1, 10 tokens, 4 heads in 2 groups, chunk 4; one element over at token 5, head 3.
+        let dims = Dims::new(1, 10, 4, 2, 2, 3);
+        let p = random_problem(&ProblemSpec::plain(dims), 1).unwrap();
+        let p = ssd_reference::Problem::new(
+            dims,
+            ssd_reference::Options {
+                chunk_size: 4,
+                ..*p.options()
+            },
+            p.inputs().clone(),
+        )
+        .unwrap();
+        let mut r = ArrayD::<f64>::zeros(ndarray::IxDyn(&[1, 10, 4, 2]));
+        r[[0, 5, 3, 1]] = 7.0;
+        r[[0, 9, 0, 0]] = 0.5;
+        let m = error_map(&p, OutputName::Out, &r);
+        assert_eq!((m.over, m.elements), (1, 80));
+        assert_eq!(m.by["chunk"].over, vec![0, 1, 0]);
+        assert_eq!(m.by["chunk"].max_ratio, vec![0.0, 7.0, 0.5]);
+        assert_eq!(m.by["position_in_chunk"].over, vec![0, 1, 0, 0]);
+        assert_eq!(m.by["head"].failing(), vec![3]);
+        assert_eq!(m.by["group"].over, vec![0, 1]);
+        assert_eq!(m.by["chunk"].elements, vec![32, 32, 16]);
+        assert_eq!(m.heat.values.iter().filter(|&&v| v == 7.0).count(), 1);
+        assert_eq!(m.heat.chunk_marks, vec![4, 8]);
+    }
+
+    #[test]
+    fn a_sequence_starting_at_a_chunk_start_is_marked() {
+        let dims = Dims::new(1, 64, 2, 2, 1, 2);
+        let spec = ProblemSpec {
+            seq_idx: SeqIdx::AtChunkStarts { every: 1 },
+            ..ProblemSpec::full(dims, 16)
+        };
+        let p = random_problem(&spec, 2).unwrap();
+        let s = sequences(&p);
+        assert_eq!(s.count, 4);
+        assert_eq!(s.starts, vec![0, 16, 32, 48]);
+        // Chunks 1-3 begin a new sequence; chunk 0 continues the initial state's (seq 0).
+        assert!(!s.reset_at_chunk_start[0] && !s.reset_at_chunk_start[15]);
+        assert!(s.reset_at_chunk_start[16] && s.reset_at_chunk_start[63]);
+    }
+
+    #[test]
+    fn a_hypothesis_equal_to_the_reference_explains_nothing() {
+        let t = Tensor {
+            cand: vec![1.0, 2.5],
+            bounds: vec![0.1, 0.1],
+            reference: vec![1.0, 2.0],
+        };
+        // Explains the candidate and differs from the reference: a mistake.
+        assert!(explained(&t, 0.0, |i| Some(([1.0, 2.5][i], 1.0))));
+        // Equal to the reference: does not explain (the candidate is off at element 1).
+        assert!(!explained(&t, 0.0, |i| Some((t.reference[i], 1.0))));
+        // Nothing tested.
+        assert_eq!(explains(&t, 0.0, |_| None), (false, false));
+    }
 }

@@ -403,3 +403,38 @@ fn draw_profile<DB: DrawingBackend>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_colour_changes_hue_at_the_bound() {
+        let below = colour(0.99);
+        let above = colour(1.01);
+        // Blue below (blue channel highest), warm above (red channel highest).
+        assert!(
+            below.2 > below.0 && above.0 > above.2,
+            "{below:?} {above:?}"
+        );
+        assert_eq!(colour(0.0), RGBColor(250, 250, 250));
+        assert_eq!(colour(f64::INFINITY), colour(1e9));
+    }
+
+    #[test]
+    fn only_svg_paths_are_taken() {
+        assert!(check_plot_path(Path::new("a/b.svg")).is_ok());
+        assert!(check_plot_path(Path::new("B.SVG")).is_ok());
+        for bad in ["b.png", "b", "dir/", ".svg/x.txt"] {
+            let e = check_plot_path(Path::new(bad)).unwrap_err().to_string();
+            assert!(e.contains(".svg") && !e.contains('\n'), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn wrap_breaks_at_spaces_in_two_lines_at_most() {
+        let w = wrap("aaa bbb ccc ddd eee", 7);
+        assert_eq!(w, vec!["aaa bbb".to_string(), "ccc ddd ...".to_string()]);
+        assert_eq!(wrap("short", 7), vec!["short".to_string()]);
+    }
+}

@@ -35,7 +35,7 @@ use ndarray::ArrayD;
 use serde::Serialize;
 use ssd_reference::{Dims, Problem};
 
-use crate::diagnose::{diagnose, Confidence, Hint, Stage, TensorMap};
+use crate::diagnose::{diagnose, Basis, Hint, Stage, TensorMap};
 use crate::error::VerifyError;
 use crate::fixture::{self, expected_shape, Dtype};
 use crate::tolerance::{Oracle, OutputName, Precision, TensorReport, Verdict};
@@ -122,14 +122,14 @@ pub fn check_candidate(
         (Vec::new(), Vec::new())
     } else {
         let diagnosis = diagnose(problem, oracle, present, precision, &verdict)?;
-        // Within the TF32 bound: a sure stage hint first, then the precision; a likely one is
-        // dropped (TF32 rounding has patterns of its own).
+        // Within the TF32 bound: a hint that explains the candidate first, then the precision;
+        // one from the map's pattern is dropped (TF32 rounding has patterns of its own).
         let hints = match precision_hint(precision, &verdict, &compare)? {
             Some(h) => {
                 let mut v: Vec<Hint> = diagnosis
                     .hints
                     .into_iter()
-                    .filter(|h| h.confidence == Confidence::Sure)
+                    .filter(|h| h.basis == Basis::Explained)
                     .collect();
                 v.push(h);
                 v
@@ -166,9 +166,8 @@ fn precision_hint(
         return Ok(None);
     }
     if matches!(precision, Precision::F64 | Precision::F32) && compare(Precision::Tf32)?.passed() {
-        return Ok(Some(Hint::new(
+        return Ok(Some(Hint::explained(
             Stage::Precision,
-            Confidence::Sure,
             "every element is within the TF32 bound: if the kernel multiplies with TF32 tensor cores (Triton's default for f32 dots), check it with --precision tf32",
         )));
     }

@@ -143,7 +143,7 @@ fn hints_name_the_faulty_stage() {
                 .collect()
         })
         .collect();
-    println!("fault | failing @f32 | right | wrong | none | failing @tf32 | right | wrong | none | first hints @f32");
+    println!("fault | failing @f32 | right | wrong | none | failing @tf32 | right | wrong | none | first hints @f32 | first hints @tf32");
     let (mut right, mut wrong, mut none) = (0, 0, 0);
     let mut weak = Vec::new();
     for (k, &f) in Fault::WRONG.iter().enumerate() {
@@ -152,9 +152,15 @@ fn hints_name_the_faulty_stage() {
             a.add(f, &v[k].0);
             b.add(f, &v[k].1);
         }
-        let seen: Vec<String> = a.seen.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let seen = |t: &Tally| {
+            t.seen
+                .iter()
+                .map(|(k, v)| format!("{k}: {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         println!(
-            "{f:?} | {} | {} | {} | {} | {} | {} | {} | {} | {}",
+            "{f:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}",
             a.failing,
             a.right,
             a.wrong,
@@ -163,7 +169,8 @@ fn hints_name_the_faulty_stage() {
             b.right,
             b.wrong,
             b.none,
-            seen.join(", ")
+            seen(&a),
+            seen(&b)
         );
         right += a.right + b.right;
         wrong += a.wrong + b.wrong;
