@@ -41,20 +41,25 @@
 //!    `dt_bias`, no `dt_limit` clamp, softplus dropped or added, softplus's threshold at 0
 //!    instead of 20), likely otherwise.
 //!    When `dA_cumsum` does not show it (absent, or `A = 0`) and the case is small
-//!    ([`RECOMPUTE_LIMIT`]): sure when every output equals, within its bound plus
-//!    `4 (nchunks + 1) u |value|`, the float64 chunked reference with one of those mistakes.
+//!    ([`RECOMPUTE_LIMIT`]): sure when every output passes the check against the reference
+//!    (and bounds) of the problem with one of those mistakes, whose reference fails the check
+//!    against the true one.
 //! 2. With `1 < ngroups < nheads`: the heads over the bound (in any tensor) are among those
 //!    whose group `h mod ngroups` differs from `h / (nheads / ngroups)`: the head-to-group
 //!    mapping (sure when they are all of them).
 //! 3. `chunk_states` fails at chunk 0: the initial state (sure).
 //! 4. `chunk_states` fails from chunk 1 on, or `final_states` fails: sure "state passing" when
-//!    both (those present) equal, within their bound plus `4 (nchunks + 1) u |S|`, the passing
-//!    `S_{c+1} = S_c + states_c` without the decay; otherwise likely "chunk states" (`states_c`
-//!    itself, or the passing).
+//!    both (those present) equal, within their bound plus `4 (nchunks + 1) u (|S| + max |S|)`,
+//!    the passing `S_{c+1} = S_c + states_c` without the decay; sure "chunk states" when they
+//!    equal those with `states_c` decayed from the wrong end (`exp(cs_j)` instead of
+//!    `exp(cs_last - cs_j)`); otherwise likely "chunk states" (`states_c`, or the passing).
 //! 5. `out` equals, within its bound plus `8 u |hypothesis|` at every element, the reference with
 //!    one epilogue or mask mistake: the gate `y sigmoid(z)` (reference `/ z`), `D x` added
 //!    after the gate (reference `+ D x (1 - z sigmoid(z))`), the diagonal of the causal mask
 //!    dropped (reference `- (C_t . B_t) dt'_t x_t`, gated): sure.
+//!    Also (small cases, as in 1): `out` passes the check against the reference with the
+//!    initial state carried into the first sequence of the rows whose `seq_idx` starts above
+//!    0: the `seq_idx` reset (sure).
 //! 6. `out` fails only at `reset_at_chunk_start` tokens (and other tokens exist): the `seq_idx`
 //!    reset of the carried state (sure).
 //! 7. From `out`'s map alone: chunk 0 passes and every later chunk fails: the state carried
@@ -71,7 +76,7 @@ use serde::Serialize;
 use ssd_reference::chunk_cumsum::chunk_cumsum;
 use ssd_reference::fwd_pass_state::chunk_state;
 use ssd_reference::problem::softplus;
-use ssd_reference::{chunked, MatmulPrecision, Problem};
+use ssd_reference::{MatmulPrecision, Problem};
 
 use crate::error::VerifyError;
 use crate::fixture::Dtype;
@@ -654,12 +659,22 @@ struct Tensor {
 /// whether the hypothesis differs from the reference by more than the bound somewhere: a
 /// hypothesis that does not is no mistake on this case and explains nothing.
 fn explains(t: &Tensor, slack: f64, hyp: impl Fn(usize) -> Option<(f64, f64)>) -> (bool, bool) {
+    explains_abs(t, slack, 0.0, hyp)
+}
+
+/// [`explains`] with an absolute slack `abs` added to every element's.
+fn explains_abs(
+    t: &Tensor,
+    slack: f64,
+    abs: f64,
+    hyp: impl Fn(usize) -> Option<(f64, f64)>,
+) -> (bool, bool) {
     let mut tested = 0usize;
     let mut distinct = false;
     for (i, ((&c, &b), &r)) in t.cand.iter().zip(&t.bounds).zip(&t.reference).enumerate() {
         let Some((h, scale)) = hyp(i) else { continue };
         tested += 1;
-        if !c.is_finite() || !h.is_finite() || (c - h).abs() > scale * b + slack * h.abs() {
+        if !c.is_finite() || !h.is_finite() || (c - h).abs() > scale * b + slack * h.abs() + abs {
             return (false, false);
         }
         distinct |= (h - r).abs() > scale * b;
@@ -734,31 +749,11 @@ fn hints(
 
     // 1b. dt mistakes that dA_cumsum does not show (A = 0, or no dA_cumsum): recompute.
     if d.batch * d.seqlen * d.nheads * d.headdim * d.dstate <= RECOMPUTE_LIMIT {
-        let tensors: Vec<_> = present
-            .iter()
-            .map(|(n, _, _)| (*n, cand(*n).expect("present")))
-            .collect();
         for (what, f) in dt_variants(p) {
             let Some(pv) = variant_problem(p, &f) else {
                 continue;
             };
-            let v = chunked::forward(&pv, MatmulPrecision::Native);
-            let results: Vec<(bool, bool)> = tensors
-                .iter()
-                .map(|(n, t)| {
-                    let h = match n {
-                        OutputName::Out => v.out.view().into_dyn(),
-                        OutputName::FinalStates => v.final_states.view().into_dyn(),
-                        OutputName::DACumsum => v.dA_cumsum.view().into_dyn(),
-                        OutputName::ChunkStates => v.chunk_states.view().into_dyn(),
-                    };
-                    let h = h.as_standard_layout();
-                    let h = h.as_slice().expect("standard layout");
-                    let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
-                    explains(t, slack, |i| Some((h[i], 1.0)))
-                })
-                .collect();
-            if results.iter().all(|r| r.0) && results.iter().any(|r| r.1) {
+            if variant_explains(&pv, oracle, present, precision) {
                 return vec![Hint::explained(
                     Stage::DtProcessing,
                     format!("every output equals the reference with dt' computed {what}: the dt processing (dt' = clamp(softplus(dt + dt_bias), dt_limit))"),
@@ -823,32 +818,42 @@ fn hints(
             Some(_) => "final_states fails while the states entering the chunks pass".to_string(),
             None => "final_states fails (chunk_states not given)".to_string(),
         };
-        let (hyp_chunks, hyp_final) = passing_without_decay(p);
         let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
-        let tested: Vec<(bool, bool)> = [
-            (OutputName::ChunkStates, hyp_chunks.into_dyn()),
-            (OutputName::FinalStates, hyp_final.into_dyn()),
-        ]
-        .into_iter()
-        .filter_map(|(n, h)| {
-            let t = cand(n)?;
-            let h = h.as_slice().expect("fresh array").to_vec();
-            Some(explains(&t, slack, |i| Some((h[i], 1.0))))
-        })
-        .collect();
-        if !tested.is_empty() && tested.iter().all(|r| r.0) && tested.iter().any(|r| r.1) {
-            return vec![Hint::explained(
+        for (mistake, stage, what) in [
+            (
+                StateMistake::NoDecay,
                 Stage::StatePassing,
-                format!(
-                    "{seen}; the states equal S_(c+1) = S_c + states_c: the state passing does not decay the carried state by exp(dA_cumsum at the chunk's end)"
-                ),
-            )];
+                "the states equal S_(c+1) = S_c + states_c: the state passing does not decay the carried state by exp(dA_cumsum at the chunk's end)",
+            ),
+            (
+                StateMistake::DecayWrongEnd,
+                Stage::ChunkState,
+                "the states equal those with states_c decayed by exp(cs_j) (chunk start to j) instead of exp(cs_last - cs_j) (j to the chunk's end): the per-chunk states (chunk_state)",
+            ),
+        ] {
+            let (hyp_chunks, hyp_final) = states_with(p, mistake);
+            let tested: Vec<(bool, bool)> = [
+                (OutputName::ChunkStates, hyp_chunks.into_dyn()),
+                (OutputName::FinalStates, hyp_final.into_dyn()),
+            ]
+            .into_iter()
+            .filter_map(|(n, h)| {
+                let t = cand(n)?;
+                let h = h.as_slice().expect("fresh array").to_vec();
+                // Rounding grows with the summed states, not with each |S|.
+                let top = h.iter().fold(0.0_f64, |m, v| m.max(v.abs()));
+                Some(explains_abs(&t, slack, slack * top, |i| Some((h[i], 1.0))))
+            })
+            .collect();
+            if !tested.is_empty() && tested.iter().all(|r| r.0) && tested.iter().any(|r| r.1) {
+                return vec![Hint::explained(stage, format!("{seen}; {what}"))];
+            }
         }
         return vec![Hint::new(
             Stage::ChunkState,
             Confidence::Likely,
             format!(
-                "{seen}, and a missing decay in the state passing does not explain it: the per-chunk states states_c = x^T diag(exp(cs_last - cs) dt') B (the chunk_state stage), or the passing"
+                "{seen}, and neither a missing decay in the passing nor a decay from the wrong end explains it: the per-chunk states states_c = x^T diag(exp(cs_last - cs) dt') B (the chunk_state stage), or the passing"
             ),
         )];
     }
@@ -861,6 +866,23 @@ fn hints(
         for (stage, what, hyp) in out_hypotheses(p, &t.reference) {
             if explained(&t, 8.0 * u, hyp) {
                 return vec![Hint::explained(stage, what)];
+            }
+        }
+    }
+    // 5b. The initial state carried into a row whose seq_idx starts above 0.
+    if d.batch * d.seqlen * d.nheads * d.headdim * d.dstate <= RECOMPUTE_LIMIT {
+        if let Some(pv) = seq_from_zero_problem(p) {
+            // The states passed the rules above: the mistake is in out's carried term.
+            let out: Vec<_> = present
+                .iter()
+                .filter(|(n, _, _)| *n == OutputName::Out)
+                .cloned()
+                .collect();
+            if variant_explains(&pv, oracle, &out, precision) {
+                return vec![Hint::explained(
+                    Stage::SeqIdxReset,
+                    "out equals the reference with the initial state carried into the first sequence of rows whose seq_idx starts above 0: the carried state is not reset where seq_idx differs from the initial state's sequence (0)",
+                )];
             }
         }
     }
@@ -977,21 +999,99 @@ fn variant_problem(p: &Problem<f64>, f: &DtFn) -> Option<Problem<f64>> {
     Problem::new(dims, options, inputs).ok()
 }
 
-/// The largest problem (`batch * seqlen * nheads * headdim * dstate`) for which the dt
-/// mistakes are tried by recomputing every output (rule 1 when `dA_cumsum` does not show
-/// them, e.g. `A = 0`): a few milliseconds of the chunked reference.
+/// Every candidate tensor passes the check against the reference of the variant problem
+/// `pv` (its own float64 reference and bounds, at the same precision), and the variant's
+/// reference fails the check against the true reference somewhere (it is a mistake here).
+fn variant_explains(
+    pv: &Problem<f64>,
+    oracle: &Oracle,
+    present: &[(OutputName, &ArrayD<f64>, Dtype)],
+    precision: Precision,
+) -> bool {
+    let ov = Oracle::new(pv);
+    let passes = |o: &Oracle, n: OutputName, t: &ArrayD<f64>, dt: Dtype| {
+        o.compare(n, t, dt, precision).is_ok_and(|r| r.passed())
+    };
+    present.iter().all(|(n, t, dt)| passes(&ov, *n, t, *dt))
+        && present
+            .iter()
+            .any(|(n, _, _)| !passes(oracle, *n, ov.reference(*n), Dtype::F64))
+}
+
+/// The problem with each row's `seq_idx` shifted to start at 0, so that the initial state
+/// carries into the row's first sequence; `None` when no row starts above 0 or there is no
+/// initial state.
+fn seq_from_zero_problem(p: &Problem<f64>) -> Option<Problem<f64>> {
+    let i = p.inputs();
+    i.initial_states.as_ref()?;
+    let s = i.seq_idx.as_ref()?;
+    if s.column(0).iter().all(|&v| v == 0) {
+        return None;
+    }
+    let mut inputs = i.clone();
+    let shifted = inputs.seq_idx.as_mut().expect("checked");
+    for mut row in shifted.rows_mut() {
+        let first = row[0];
+        row.mapv_inplace(|v| v - first);
+    }
+    Problem::new(*p.dims(), *p.options(), inputs).ok()
+}
+
+/// The largest problem (`batch * seqlen * nheads * headdim * dstate`) for which mistakes are
+/// tried by recomputing the reference of the mistaken problem (rules 1 and 5): at most about
+/// a second each on two cores.
 pub const RECOMPUTE_LIMIT: usize = 1 << 22;
 
-/// chunk_states `[batch, nchunks, nheads, headdim, dstate]` and final_states passed without
-/// the decay:
-/// `S_0 = initial state`, `S_(c+1) = S_c + states_c`, reset to `states_c` where the sequence
-/// changes (as the reference's passing does).
-fn passing_without_decay(p: &Problem<f64>) -> (ndarray::Array5<f64>, ndarray::Array4<f64>) {
+/// One mistake in the states' stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StateMistake {
+    /// `S_(c+1) = S_c + states_c`: the passing without the decay.
+    NoDecay,
+    /// `states_c` decayed by `exp(cs_j)` (chunk start to `j`) instead of `exp(cs_last - cs_j)`.
+    DecayWrongEnd,
+}
+
+/// chunk_states `[batch, nchunks, nheads, headdim, dstate]` and final_states with one
+/// [`StateMistake`]: `S_0 = initial state`, `S_(c+1) = a_c S_c + states_c`, reset to
+/// `states_c` where the sequence changes (as the reference's passing does).
+fn states_with(
+    p: &Problem<f64>,
+    mistake: StateMistake,
+) -> (ndarray::Array5<f64>, ndarray::Array4<f64>) {
     let cumsum = chunk_cumsum(p);
-    let mut own = chunk_state(p, &cumsum, MatmulPrecision::Native);
     let d = *p.dims();
     let nc = p.nchunks();
     let l = p.options().chunk_size;
+    let mut own = match mistake {
+        StateMistake::NoDecay => chunk_state(p, &cumsum, MatmulPrecision::Native),
+        StateMistake::DecayWrongEnd => {
+            let i = p.inputs();
+            let mut own = ndarray::Array5::zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
+            for b in 0..d.batch {
+                for c in 0..nc {
+                    let t0 = c * l;
+                    let len = l.min(d.seqlen - t0);
+                    let seq_last = p.seq_idx_at(b, t0 + len - 1);
+                    for h in 0..d.nheads {
+                        let g = d.group_of_head(h);
+                        for j in 0..len {
+                            if p.seq_idx_at(b, t0 + j) != seq_last {
+                                continue;
+                            }
+                            let w = cumsum.dA_cumsum[[b, h, c, j]].exp() * cumsum.dt[[b, h, c, j]];
+                            for pp in 0..d.headdim {
+                                let xw = i.x[[b, t0 + j, h, pp]] * w;
+                                for n in 0..d.dstate {
+                                    own[[b, c, h, pp, n]] += xw * i.B[[b, t0 + j, g, n]];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            own
+        }
+    };
     let init = p.inputs().initial_states.as_ref();
     let mut fin = ndarray::Array4::zeros((d.batch, d.nheads, d.headdim, d.dstate));
     for b in 0..d.batch {
@@ -1003,7 +1103,13 @@ fn passing_without_decay(p: &Problem<f64>) -> (ndarray::Array5<f64>, ndarray::Ar
                     for c in 0..nc {
                         let last = (c * l + l).min(d.seqlen) - 1;
                         let seq_new = p.seq_idx_at(b, last);
-                        let scale = if seq_new == seq_prev { 1.0 } else { 0.0 };
+                        let scale = if seq_new != seq_prev {
+                            0.0
+                        } else if mistake == StateMistake::NoDecay {
+                            1.0
+                        } else {
+                            cumsum.dA_cumsum[[b, h, c, l - 1]].exp()
+                        };
                         seq_prev = seq_new;
                         let slot = &mut own[[b, c, h, pp, n]];
                         let o = *slot;

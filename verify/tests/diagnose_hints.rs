@@ -175,12 +175,26 @@ fn hints_name_the_faulty_stage() {
         right += a.right + b.right;
         wrong += a.wrong + b.wrong;
         none += a.none + b.none;
-        // Every fault gets a hint, and the right one more often than any other answer.
-        if a.right == 0 || a.right < a.wrong + a.none || b.right < b.wrong + b.none {
+        // Every fault gets the right stage on at least 9 in 10 of the cases it fails
+        // (measured: 60 of 62 at the least, see docs/tolerances.md).
+        if a.right == 0 || a.right * 10 < a.failing * 9 || b.right * 10 < b.failing * 9 {
             weak.push(format!("{f:?}"));
         }
     }
     println!("total: right {right}, wrong {wrong}, none {none}");
+    // The misses at f32, for the record: the case and where the report says the error is.
+    for (k, &f) in Fault::WRONG.iter().enumerate() {
+        for (case, v) in cases.iter().zip(&per_case) {
+            let r = &v[k].0;
+            if r.passed || r.hints.first().is_some_and(|h| h.stage == stage_of(f)) {
+                continue;
+            }
+            println!("miss {f:?}: {case}");
+            for line in r.failure_lines().iter().filter(|l| !l.starts_with("FAIL")) {
+                println!("    {line}");
+            }
+        }
+    }
     assert!(
         weak.is_empty(),
         "faults whose hint is mostly not the right stage: {weak:?}"
