@@ -54,7 +54,8 @@
 //!    equal those with `states_c` decayed from the wrong end (`exp(cs_j)` instead of
 //!    `exp(cs_last - cs_j)`); otherwise likely "chunk states" (`states_c`, or the passing).
 //! 5. `out` equals, within its bound plus `8 u |hypothesis|` at every element, the reference with
-//!    one epilogue or mask mistake: the gate `y sigmoid(z)` (reference `/ z`), `D x` added
+//!    one epilogue or mask mistake: the gate `y sigmoid(z)` (reference `/ z`, the bound over
+//!    `|z|` where `|z| < 1`, elements with `|z| <= 1e-6` not tested), `D x` added
 //!    after the gate (reference `+ D x (1 - z sigmoid(z))`), the diagonal of the causal mask
 //!    dropped (reference `- (C_t . B_t) dt'_t x_t`, gated): sure.
 //!    Also (small cases, as in 1): `out` passes the check against the reference with the
@@ -64,6 +65,11 @@
 //!    reset of the carried state (sure).
 //! 7. From `out`'s map alone: chunk 0 passes and every later chunk fails: the state carried
 //!    between chunks (likely); only the last, partial chunk fails: the seqlen tail (likely).
+//!
+//! A hint's [`Basis`] is `explained` for the hypotheses of rules 1, 4 and 5 (and for the
+//! precision hint of [`crate::report`]), `pattern` for the others. When every element is within
+//! the TF32 bound, the report puts an explained hint first, then the precision hint, and drops
+//! pattern hints.
 //!
 //! A correct candidate passes, so it has no map and no hint; the calibration asserts this over
 //! its 10,000 cases (`docs/tolerances.md`).

@@ -310,7 +310,8 @@ fn draw_heat<DB: DrawingBackend>(
     let line = |x: usize, style: ShapeStyle| {
         PathElement::new(vec![(x as f64, 0.0), (x as f64, yl)], style)
     };
-    let every = h.chunk_marks.len().div_ceil(300).max(1);
+    // At most about 100 chunk lines (every k-th chunk beyond), so that the cells stay visible.
+    let every = h.chunk_marks.len().div_ceil(100).max(1);
     chart
         .draw_series(
             h.chunk_marks
@@ -429,6 +430,50 @@ mod tests {
             let e = check_plot_path(Path::new(bad)).unwrap_err().to_string();
             assert!(e.contains(".svg") && !e.contains('\n'), "{bad}: {e}");
         }
+    }
+
+    /// A 65,536-token, 80-head `out` map (headdim and dstate 1 to keep the problem small; the
+    /// map's grid does not depend on them): the heat map stays at most 400 cells wide, one row
+    /// per head, and the panel is drawn quickly and compactly.
+    #[test]
+    fn a_65k_token_80_head_map_is_drawn_aggregated() {
+        use ssd_reference::random::{random_problem, ProblemSpec, SeqIdx};
+        use ssd_reference::Dims;
+        let dims = Dims::new(1, 65_536, 80, 1, 1, 1);
+        let spec = ProblemSpec {
+            seq_idx: SeqIdx::Segments {
+                segments: 4,
+                first: 0,
+            },
+            ..ProblemSpec::full(dims, 256)
+        };
+        let p = random_problem(&spec, 1).unwrap();
+        // Ratios growing with the chunk index, over the bound from chunk 1 on in odd heads.
+        let r = ndarray::Array4::from_shape_fn((1, 65_536, 80, 1), |(_, t, h, _)| {
+            if h % 2 == 1 {
+                (t / 256) as f64 * 0.5
+            } else {
+                1e-2
+            }
+        })
+        .into_dyn();
+        let t0 = std::time::Instant::now();
+        let m = crate::diagnose::error_map(&p, OutputName::Out, &r);
+        let map_s = t0.elapsed().as_secs_f64();
+        assert_eq!((m.heat.cols, m.heat.rows), (400, 80));
+        assert_eq!(m.heat.x_bin, 164);
+        assert_eq!(m.heat.chunk_marks.len(), 255);
+        assert_eq!(m.heat.seq_marks.len(), 3);
+        let t0 = std::time::Instant::now();
+        let mut buf = String::new();
+        {
+            let root = SVGBackend::with_string(&mut buf, (WIDTH, PANEL)).into_drawing_area();
+            draw_panel(&root, &m).unwrap();
+            root.present().unwrap();
+        }
+        let draw_s = t0.elapsed().as_secs_f64();
+        println!("map {map_s:.3} s, panel {draw_s:.3} s, {} bytes", buf.len());
+        assert!(buf.len() < 8 << 20, "{} bytes", buf.len());
     }
 
     #[test]
