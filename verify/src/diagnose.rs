@@ -78,6 +78,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use ndarray::ArrayD;
+use rayon::prelude::*;
 use serde::Serialize;
 use ssd_reference::chunk_cumsum::chunk_cumsum;
 use ssd_reference::fwd_pass_state::chunk_state;
@@ -1071,31 +1072,38 @@ fn states_with(
     let mut own = match mistake {
         StateMistake::NoDecay => chunk_state(p, &cumsum, MatmulPrecision::Native),
         StateMistake::DecayWrongEnd => {
+            // Per (batch, chunk), in parallel: [nheads, headdim, dstate] blocks in order.
             let i = p.inputs();
-            let mut own = ndarray::Array5::zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
-            for b in 0..d.batch {
-                for c in 0..nc {
+            let (hn, pn, nn) = (d.nheads, d.headdim, d.dstate);
+            let blocks: Vec<Vec<f64>> = (0..d.batch * nc)
+                .into_par_iter()
+                .map(|bc| {
+                    let (b, c) = (bc / nc, bc % nc);
+                    let mut v = vec![0.0; hn * pn * nn];
                     let t0 = c * l;
                     let len = l.min(d.seqlen - t0);
                     let seq_last = p.seq_idx_at(b, t0 + len - 1);
-                    for h in 0..d.nheads {
+                    for h in 0..hn {
                         let g = d.group_of_head(h);
                         for j in 0..len {
                             if p.seq_idx_at(b, t0 + j) != seq_last {
                                 continue;
                             }
                             let w = cumsum.dA_cumsum[[b, h, c, j]].exp() * cumsum.dt[[b, h, c, j]];
-                            for pp in 0..d.headdim {
+                            for pp in 0..pn {
                                 let xw = i.x[[b, t0 + j, h, pp]] * w;
-                                for n in 0..d.dstate {
-                                    own[[b, c, h, pp, n]] += xw * i.B[[b, t0 + j, g, n]];
+                                let row = &mut v[(h * pn + pp) * nn..(h * pn + pp + 1) * nn];
+                                for (n, o) in row.iter_mut().enumerate() {
+                                    *o += xw * i.B[[b, t0 + j, g, n]];
                                 }
                             }
                         }
                     }
-                }
-            }
-            own
+                    v
+                })
+                .collect();
+            ndarray::Array5::from_shape_vec((d.batch, nc, hn, pn, nn), blocks.concat())
+                .expect("blocks in row-major order")
         }
     };
     let init = p.inputs().initial_states.as_ref();
