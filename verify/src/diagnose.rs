@@ -52,7 +52,10 @@
 //!    both (those present) equal, within their bound plus `4 (nchunks + 1) u (|S| + max |S|)`,
 //!    the passing `S_{c+1} = S_c + states_c` without the decay; sure "chunk states" when they
 //!    equal those with `states_c` decayed from the wrong end (`exp(cs_j)` instead of
-//!    `exp(cs_last - cs_j)`); otherwise likely "chunk states" (`states_c`, or the passing).
+//!    `exp(cs_last - cs_j)`); sure "initial state" when they equal those passed from a zero
+//!    initial state; sure "last partial chunk" when they equal those with the last, partial
+//!    chunk decayed as if the cumsum past `seqlen` were 0; otherwise likely "chunk states"
+//!    (`states_c`, or the passing).
 //! 5. `out` equals, within its bound plus `8 u |hypothesis|` at every element, the reference with
 //!    one epilogue or mask mistake: the gate `y sigmoid(z)` (reference `/ z`, the bound over
 //!    `|z|` where `|z| < 1`, elements with `|z| <= 1e-6` not tested), `D x` added
@@ -60,7 +63,8 @@
 //!    dropped (reference `- (C_t . B_t) dt'_t x_t`, gated): sure.
 //!    Also (small cases, as in 1): `out` passes the check against the reference with the
 //!    initial state carried into the first sequence of the rows whose `seq_idx` starts above
-//!    0: the `seq_idx` reset (sure).
+//!    0: the `seq_idx` reset (sure); `out` passes the check against the reference without the
+//!    initial state: the initial state (sure).
 //! 6. `out` fails only at `reset_at_chunk_start` tokens (and other tokens exist): the `seq_idx`
 //!    reset of the carried state (sure).
 //! 7. From `out`'s map alone: chunk 0 passes and every later chunk fails: the state carried
@@ -837,7 +841,24 @@ fn hints(
                 Stage::ChunkState,
                 "the states equal those with states_c decayed by exp(cs_j) (chunk start to j) instead of exp(cs_last - cs_j) (j to the chunk's end): the per-chunk states (chunk_state)",
             ),
+            (
+                StateMistake::InitialDropped,
+                Stage::InitialState,
+                "the states equal those passed from a zero initial state: initial_states is not loaded",
+            ),
+            (
+                StateMistake::PaddedEnd,
+                Stage::LastPartialChunk,
+                "the states equal those with the last, partial chunk decayed as if the cumsum past seqlen were 0: the padding of the last partial chunk is not handled (the cumsum must stay flat there)",
+            ),
         ] {
+            if mistake == StateMistake::InitialDropped && p.inputs().initial_states.is_none() {
+                continue;
+            }
+            if mistake == StateMistake::PaddedEnd && d.seqlen.is_multiple_of(p.options().chunk_size)
+            {
+                continue;
+            }
             let (hyp_chunks, hyp_final) = states_with(p, mistake);
             let tested: Vec<(bool, bool)> = [
                 (OutputName::ChunkStates, hyp_chunks.into_dyn()),
@@ -860,7 +881,7 @@ fn hints(
             Stage::ChunkState,
             Confidence::Likely,
             format!(
-                "{seen}, and neither a missing decay in the passing nor a decay from the wrong end explains it: the per-chunk states states_c = x^T diag(exp(cs_last - cs) dt') B (the chunk_state stage), or the passing"
+                "{seen}, and neither a missing decay in the passing, a decay from the wrong end nor a dropped initial state explains it: the per-chunk states states_c = x^T diag(exp(cs_last - cs) dt') B (the chunk_state stage), or the passing"
             ),
         )];
     }
@@ -889,6 +910,26 @@ fn hints(
                 return vec![Hint::explained(
                     Stage::SeqIdxReset,
                     "out equals the reference with the initial state carried into the first sequence of rows whose seq_idx starts above 0: the carried state is not reset where seq_idx differs from the initial state's sequence (0)",
+                )];
+            }
+        }
+    }
+    // 5c. out without the initial state (when the final state forgot it, rule 4 says so).
+    if d.batch * d.seqlen * d.nheads * d.headdim * d.dstate <= RECOMPUTE_LIMIT
+        && p.inputs().initial_states.is_some()
+    {
+        let mut inputs = p.inputs().clone();
+        inputs.initial_states = None;
+        if let Ok(pv) = Problem::new(d, *p.options(), inputs) {
+            let out: Vec<_> = present
+                .iter()
+                .filter(|(n, _, _)| *n == OutputName::Out)
+                .cloned()
+                .collect();
+            if variant_explains(&pv, oracle, &out, precision) {
+                return vec![Hint::explained(
+                    Stage::InitialState,
+                    "out equals the reference without the initial state: initial_states is not loaded (or not carried into the first chunk)",
                 )];
             }
         }
@@ -1056,6 +1097,11 @@ enum StateMistake {
     NoDecay,
     /// `states_c` decayed by `exp(cs_j)` (chunk start to `j`) instead of `exp(cs_last - cs_j)`.
     DecayWrongEnd,
+    /// `initial_states` not loaded: `S_0 = 0`.
+    InitialDropped,
+    /// The last, partial chunk decayed as if the cumsum at its end (past `seqlen`) were 0: its
+    /// `states_c` by `exp(0 - cs_j)`, its passing by `exp(0)`.
+    PaddedEnd,
 }
 
 /// chunk_states `[batch, nchunks, nheads, headdim, dstate]` and final_states with one
@@ -1070,8 +1116,10 @@ fn states_with(
     let nc = p.nchunks();
     let l = p.options().chunk_size;
     let mut own = match mistake {
-        StateMistake::NoDecay => chunk_state(p, &cumsum, MatmulPrecision::Native),
-        StateMistake::DecayWrongEnd => {
+        StateMistake::NoDecay | StateMistake::InitialDropped => {
+            chunk_state(p, &cumsum, MatmulPrecision::Native)
+        }
+        StateMistake::DecayWrongEnd | StateMistake::PaddedEnd => {
             // Per (batch, chunk), in parallel: [nheads, headdim, dstate] blocks in order.
             let i = p.inputs();
             let (hn, pn, nn) = (d.nheads, d.headdim, d.dstate);
@@ -1089,7 +1137,13 @@ fn states_with(
                             if p.seq_idx_at(b, t0 + j) != seq_last {
                                 continue;
                             }
-                            let w = cumsum.dA_cumsum[[b, h, c, j]].exp() * cumsum.dt[[b, h, c, j]];
+                            let cs = |k: usize| cumsum.dA_cumsum[[b, h, c, k]];
+                            let decay = match mistake {
+                                StateMistake::DecayWrongEnd => cs(j).exp(),
+                                _ if len < l => (-cs(j)).exp(),
+                                _ => (cs(len - 1) - cs(j)).exp(),
+                            };
+                            let w = decay * cumsum.dt[[b, h, c, j]];
                             for pp in 0..pn {
                                 let xw = i.x[[b, t0 + j, h, pp]] * w;
                                 let row = &mut v[(h * pn + pp) * nn..(h * pn + pp + 1) * nn];
@@ -1112,14 +1166,21 @@ fn states_with(
         for h in 0..d.nheads {
             for pp in 0..d.headdim {
                 for n in 0..d.dstate {
-                    let mut run = init.map_or(0.0, |s| s[[b, h, pp, n]]);
+                    let mut run = match (init, mistake) {
+                        (Some(s), StateMistake::NoDecay | StateMistake::DecayWrongEnd) => {
+                            s[[b, h, pp, n]]
+                        }
+                        _ => 0.0,
+                    };
                     let mut seq_prev = 0i64;
                     for c in 0..nc {
                         let last = (c * l + l).min(d.seqlen) - 1;
                         let seq_new = p.seq_idx_at(b, last);
                         let scale = if seq_new != seq_prev {
                             0.0
-                        } else if mistake == StateMistake::NoDecay {
+                        } else if mistake == StateMistake::NoDecay
+                            || (mistake == StateMistake::PaddedEnd && last + 1 < c * l + l)
+                        {
                             1.0
                         } else {
                             cumsum.dA_cumsum[[b, h, c, l - 1]].exp()

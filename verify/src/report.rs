@@ -2,8 +2,10 @@
 //! Python package raises or returns, built once here so that every front end says the same.
 //!
 //! [`check_candidate`] compares a kernel's output tensors with a problem's float64 reference
-//! under the error bound of one [`Precision`]; [`Report::text`] renders the table,
-//! `serde_json` the JSON form (`check --json`).
+//! under the error bound of one [`Precision`] and, when the check fails, maps where the error
+//! lives and draws the hints ([`crate::diagnose`]); [`Report::text`] renders the table (with
+//! its `where` and `hint:` lines), `serde_json` the JSON form (`check --json`, with `hints` and
+//! `error_map`), [`crate::plot`] the picture (`check --plot`).
 //!
 //! ```
 //! use ssd_reference::random::{random_problem, ProblemSpec};

@@ -221,6 +221,27 @@ fn plot_at_the_2p7b_layer_size() {
     let size = std::fs::metadata(&svg).unwrap().len();
     println!("picture: {secs:.3} s, {size} bytes; hints: {:?}", r.hints);
     assert!(secs < 1.0, "the picture took {secs:.2} s");
+    // The states wrong too: the state hypotheses run at this size.
+    let mut fin = o.reference(OutputName::FinalStates).clone();
+    fin.iter_mut().for_each(|v| *v *= 1.01);
+    let t = Instant::now();
+    let r = check_candidate(
+        Labels::default(),
+        &p,
+        &o,
+        &[
+            (OutputName::Out, &out, Dtype::F32),
+            (OutputName::FinalStates, &fin, Dtype::F32),
+        ],
+        Vec::new(),
+        Precision::F32,
+    )
+    .unwrap();
+    println!(
+        "check of out and final_states with map and hints: {:.2} s; hints: {:?}",
+        t.elapsed().as_secs_f64(),
+        r.hints
+    );
 }
 
 /// The example picture of `docs/tolerances.md`: a state-passing fault (no decay) on a

@@ -44,6 +44,18 @@ fn report(
     out: &ChunkedOutput<f32>,
     precision: Precision,
 ) -> Report {
+    report_of(p, oracle, out, precision, 4)
+}
+
+/// The report on the first `k` tensors of the contract (2: `out` and `final_states`, what
+/// most kernels return).
+fn report_of(
+    p: &Problem<f64>,
+    oracle: &Oracle,
+    out: &ChunkedOutput<f32>,
+    precision: Precision,
+    k: usize,
+) -> Report {
     let w = |a: ArrayD<f32>| a.mapv(f64::from);
     let t = [
         (OutputName::Out, w(out.out.clone().into_dyn())),
@@ -57,7 +69,7 @@ fn report(
             w(out.chunk_states.clone().into_dyn()),
         ),
     ];
-    let present: Vec<_> = t.iter().map(|(n, a)| (*n, a, Dtype::F32)).collect();
+    let present: Vec<_> = t.iter().take(k).map(|(n, a)| (*n, a, Dtype::F32)).collect();
     check_candidate(
         Labels::default(),
         p,
@@ -198,5 +210,59 @@ fn hints_name_the_faulty_stage() {
     assert!(
         weak.is_empty(),
         "faults whose hint is mostly not the right stage: {weak:?}"
+    );
+}
+
+/// The same measurement when the kernel returns only `out` and `final_states` (no
+/// intermediates), computed in f32 and checked at f32: the hints then rest on `out`'s and the
+/// final state's map and on the explanations that need no intermediate.
+#[test]
+fn hints_from_out_and_final_states_only() {
+    let n = DEFAULT_CASES as usize;
+    let cases = fixed_cases(n, 7);
+    let per_case: Vec<Vec<Report>> = cases
+        .par_iter()
+        .map(|case| {
+            let p = case.problem();
+            let oracle = Oracle::new(&p);
+            let p32 = p.cast::<f32>();
+            Fault::WRONG
+                .iter()
+                .map(|&f| {
+                    let c = faults::forward(&p32, f, Rounding::None);
+                    report_of(&p, &oracle, &c, Precision::F32, 2)
+                })
+                .collect()
+        })
+        .collect();
+    println!("fault | failing @f32 | right | wrong | none | first hints");
+    let mut total = Tally::default();
+    let mut silent = Vec::new();
+    for (k, &f) in Fault::WRONG.iter().enumerate() {
+        let mut a = Tally::default();
+        for v in &per_case {
+            a.add(f, &v[k]);
+            total.add(f, &v[k]);
+        }
+        let seen: Vec<String> = a.seen.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        println!(
+            "{f:?} | {} | {} | {} | {} | {}",
+            a.failing,
+            a.right,
+            a.wrong,
+            a.none,
+            seen.join(", ")
+        );
+        if a.right == 0 {
+            silent.push(format!("{f:?}"));
+        }
+    }
+    println!(
+        "total: failing {}, right {}, wrong {}, none {}",
+        total.failing, total.right, total.wrong, total.none
+    );
+    assert!(
+        silent.is_empty(),
+        "faults never named from out and final_states: {silent:?}"
     );
 }
