@@ -49,7 +49,8 @@
 //!    mapping (sure when they are all of them).
 //! 3. `chunk_states` fails at chunk 0: the initial state (sure).
 //! 4. `chunk_states` fails from chunk 1 on, or `final_states` fails: sure "state passing" when
-//!    both (those present) equal, within their bound plus `4 (nchunks + 1) u (|S| + max |S|)`,
+//!    both (those present) equal, within their bound plus `2 (nchunks + L + 2) u M` (`M` the sum
+//!    of the absolute values of the hypothesis' terms),
 //!    the passing `S_{c+1} = S_c + states_c` without the decay; sure "chunk states" when they
 //!    equal those with `states_c` decayed from the wrong end (`exp(cs_j)` instead of
 //!    `exp(cs_last - cs_j)`); sure "initial state" when they equal those passed from a zero
@@ -85,9 +86,8 @@ use ndarray::ArrayD;
 use rayon::prelude::*;
 use serde::Serialize;
 use ssd_reference::chunk_cumsum::chunk_cumsum;
-use ssd_reference::fwd_pass_state::chunk_state;
 use ssd_reference::problem::softplus;
-use ssd_reference::{MatmulPrecision, Problem};
+use ssd_reference::Problem;
 
 use crate::error::VerifyError;
 use crate::fixture::Dtype;
@@ -670,14 +670,14 @@ struct Tensor {
 /// whether the hypothesis differs from the reference by more than the bound somewhere: a
 /// hypothesis that does not is no mistake on this case and explains nothing.
 fn explains(t: &Tensor, slack: f64, hyp: impl Fn(usize) -> Option<(f64, f64)>) -> (bool, bool) {
-    explains_abs(t, slack, 0.0, hyp)
+    explains_abs(t, slack, |_| 0.0, hyp)
 }
 
-/// [`explains`] with an absolute slack `abs` added to every element's.
+/// [`explains`] with an absolute slack `abs(i)` added to element `i`'s.
 fn explains_abs(
     t: &Tensor,
     slack: f64,
-    abs: f64,
+    abs: impl Fn(usize) -> f64,
     hyp: impl Fn(usize) -> Option<(f64, f64)>,
 ) -> (bool, bool) {
     let mut tested = 0usize;
@@ -685,7 +685,8 @@ fn explains_abs(
     for (i, ((&c, &b), &r)) in t.cand.iter().zip(&t.bounds).zip(&t.reference).enumerate() {
         let Some((h, scale)) = hyp(i) else { continue };
         tested += 1;
-        if !c.is_finite() || !h.is_finite() || (c - h).abs() > scale * b + slack * h.abs() + abs {
+        if !c.is_finite() || !h.is_finite() || (c - h).abs() > scale * b + slack * h.abs() + abs(i)
+        {
             return (false, false);
         }
         distinct |= (h - r).abs() > scale * b;
@@ -829,7 +830,7 @@ fn hints(
             Some(_) => "final_states fails while the states entering the chunks pass".to_string(),
             None => "final_states fails (chunk_states not given)".to_string(),
         };
-        let slack = 4.0 * (p.nchunks() as f64 + 1.0) * u;
+        let slack = 2.0 * (p.nchunks() + p.options().chunk_size + 2) as f64 * u;
         for (mistake, stage, what) in [
             (
                 StateMistake::NoDecay,
@@ -859,18 +860,31 @@ fn hints(
             {
                 continue;
             }
-            let (hyp_chunks, hyp_final) = states_with(p, mistake);
+            let hyp = states_with(p, mistake);
             let tested: Vec<(bool, bool)> = [
-                (OutputName::ChunkStates, hyp_chunks.into_dyn()),
-                (OutputName::FinalStates, hyp_final.into_dyn()),
+                (
+                    OutputName::ChunkStates,
+                    hyp.chunk_states.into_dyn(),
+                    hyp.chunk_states_mag.into_dyn(),
+                ),
+                (
+                    OutputName::FinalStates,
+                    hyp.final_states.into_dyn(),
+                    hyp.final_states_mag.into_dyn(),
+                ),
             ]
             .into_iter()
-            .filter_map(|(n, h)| {
+            .filter_map(|(n, h, m)| {
                 let t = cand(n)?;
-                let h = h.as_slice().expect("fresh array").to_vec();
-                // Rounding grows with the summed states, not with each |S|.
-                let top = h.iter().fold(0.0_f64, |m, v| m.max(v.abs()));
-                Some(explains_abs(&t, slack, slack * top, |i| Some((h[i], 1.0))))
+                let h = h.as_slice().expect("fresh array");
+                let m = m.as_slice().expect("fresh array");
+                // Rounding grows with the terms summed, not with the sum.
+                Some(explains_abs(
+                    &t,
+                    0.0,
+                    |i| slack * m[i],
+                    |i| Some((h[i], 1.0)),
+                ))
             })
             .collect();
             if !tested.is_empty() && tested.iter().all(|r| r.0) && tested.iter().any(|r| r.1) {
@@ -1090,6 +1104,15 @@ fn seq_from_zero_problem(p: &Problem<f64>) -> Option<Problem<f64>> {
 /// a second each on two cores.
 pub const RECOMPUTE_LIMIT: usize = 1 << 22;
 
+/// The states of a [`StateMistake`] and the sums of the absolute values of their terms (the
+/// scale of their rounding).
+struct HypothesisStates {
+    chunk_states: ndarray::Array5<f64>,
+    final_states: ndarray::Array4<f64>,
+    chunk_states_mag: ndarray::Array5<f64>,
+    final_states_mag: ndarray::Array4<f64>,
+}
+
 /// One mistake in the states' stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum StateMistake {
@@ -1107,71 +1130,68 @@ enum StateMistake {
 /// chunk_states `[batch, nchunks, nheads, headdim, dstate]` and final_states with one
 /// [`StateMistake`]: `S_0 = initial state`, `S_(c+1) = a_c S_c + states_c`, reset to
 /// `states_c` where the sequence changes (as the reference's passing does).
-fn states_with(
-    p: &Problem<f64>,
-    mistake: StateMistake,
-) -> (ndarray::Array5<f64>, ndarray::Array4<f64>) {
+fn states_with(p: &Problem<f64>, mistake: StateMistake) -> HypothesisStates {
     let cumsum = chunk_cumsum(p);
     let d = *p.dims();
     let nc = p.nchunks();
     let l = p.options().chunk_size;
-    let mut own = match mistake {
-        StateMistake::NoDecay | StateMistake::InitialDropped => {
-            chunk_state(p, &cumsum, MatmulPrecision::Native)
-        }
-        StateMistake::DecayWrongEnd | StateMistake::PaddedEnd => {
-            // Per (batch, chunk), in parallel: [nheads, headdim, dstate] blocks in order.
-            let i = p.inputs();
-            let (hn, pn, nn) = (d.nheads, d.headdim, d.dstate);
-            let blocks: Vec<Vec<f64>> = (0..d.batch * nc)
-                .into_par_iter()
-                .map(|bc| {
-                    let (b, c) = (bc / nc, bc % nc);
-                    let mut v = vec![0.0; hn * pn * nn];
-                    let t0 = c * l;
-                    let len = l.min(d.seqlen - t0);
-                    let seq_last = p.seq_idx_at(b, t0 + len - 1);
-                    for h in 0..hn {
-                        let g = d.group_of_head(h);
-                        for j in 0..len {
-                            if p.seq_idx_at(b, t0 + j) != seq_last {
-                                continue;
-                            }
-                            let cs = |k: usize| cumsum.dA_cumsum[[b, h, c, k]];
-                            let decay = match mistake {
-                                StateMistake::DecayWrongEnd => cs(j).exp(),
-                                _ if len < l => (-cs(j)).exp(),
-                                _ => (cs(len - 1) - cs(j)).exp(),
-                            };
-                            let w = decay * cumsum.dt[[b, h, c, j]];
-                            for pp in 0..pn {
-                                let xw = i.x[[b, t0 + j, h, pp]] * w;
-                                let row = &mut v[(h * pn + pp) * nn..(h * pn + pp + 1) * nn];
-                                for (n, o) in row.iter_mut().enumerate() {
-                                    *o += xw * i.B[[b, t0 + j, g, n]];
-                                }
-                            }
+    // Per (batch, chunk), in parallel: [nheads, headdim, dstate] blocks of states_c and of the
+    // sum of its terms' absolute values, in row-major order.
+    let i = p.inputs();
+    let (hn, pn, nn) = (d.nheads, d.headdim, d.dstate);
+    let blocks: Vec<(Vec<f64>, Vec<f64>)> = (0..d.batch * nc)
+        .into_par_iter()
+        .map(|bc| {
+            let (b, c) = (bc / nc, bc % nc);
+            let mut v = vec![0.0; hn * pn * nn];
+            let mut a = vec![0.0; hn * pn * nn];
+            let t0 = c * l;
+            let len = l.min(d.seqlen - t0);
+            let seq_last = p.seq_idx_at(b, t0 + len - 1);
+            for h in 0..hn {
+                let g = d.group_of_head(h);
+                for j in 0..len {
+                    if p.seq_idx_at(b, t0 + j) != seq_last {
+                        continue;
+                    }
+                    let cs = |k: usize| cumsum.dA_cumsum[[b, h, c, k]];
+                    let decay = match mistake {
+                        StateMistake::DecayWrongEnd => cs(j).exp(),
+                        StateMistake::PaddedEnd if len < l => (-cs(j)).exp(),
+                        _ => (cs(len - 1) - cs(j)).exp(),
+                    };
+                    let w = decay * cumsum.dt[[b, h, c, j]];
+                    for pp in 0..pn {
+                        let xw = i.x[[b, t0 + j, h, pp]] * w;
+                        let k0 = (h * pn + pp) * nn;
+                        for n in 0..nn {
+                            let term = xw * i.B[[b, t0 + j, g, n]];
+                            v[k0 + n] += term;
+                            a[k0 + n] += term.abs();
                         }
                     }
-                    v
-                })
-                .collect();
-            ndarray::Array5::from_shape_vec((d.batch, nc, hn, pn, nn), blocks.concat())
-                .expect("blocks in row-major order")
-        }
-    };
+                }
+            }
+            (v, a)
+        })
+        .collect();
+    let shape = (d.batch, nc, hn, pn, nn);
+    let (own, own_abs): (Vec<Vec<f64>>, Vec<Vec<f64>>) = blocks.into_iter().unzip();
+    let mut own = ndarray::Array5::from_shape_vec(shape, own.concat()).expect("row-major blocks");
+    let mut own_abs =
+        ndarray::Array5::from_shape_vec(shape, own_abs.concat()).expect("row-major blocks");
     let init = p.inputs().initial_states.as_ref();
     let mut fin = ndarray::Array4::zeros((d.batch, d.nheads, d.headdim, d.dstate));
+    let mut fin_abs = fin.clone();
     for b in 0..d.batch {
         for h in 0..d.nheads {
             for pp in 0..d.headdim {
                 for n in 0..d.dstate {
-                    let mut run = match (init, mistake) {
-                        (Some(s), StateMistake::NoDecay | StateMistake::DecayWrongEnd) => {
-                            s[[b, h, pp, n]]
-                        }
+                    let mut run = match init {
+                        Some(s) if mistake != StateMistake::InitialDropped => s[[b, h, pp, n]],
                         _ => 0.0,
                     };
+                    let mut run_abs = run.abs();
                     let mut seq_prev = 0i64;
                     for c in 0..nc {
                         let last = (c * l + l).min(d.seqlen) - 1;
@@ -1190,13 +1210,23 @@ fn states_with(
                         let o = *slot;
                         *slot = run;
                         run = scale * run + o;
+                        let slot = &mut own_abs[[b, c, h, pp, n]];
+                        let o = *slot;
+                        *slot = run_abs;
+                        run_abs = scale * run_abs + o;
                     }
                     fin[[b, h, pp, n]] = run;
+                    fin_abs[[b, h, pp, n]] = run_abs;
                 }
             }
         }
     }
-    (own, fin)
+    HypothesisStates {
+        chunk_states: own,
+        final_states: fin,
+        chunk_states_mag: own_abs,
+        final_states_mag: fin_abs,
+    }
 }
 
 /// `out` of the reference with one epilogue or mask mistake, per flat element (`None` where
