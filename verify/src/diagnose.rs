@@ -1161,13 +1161,16 @@ fn states_with(p: &Problem<f64>, mistake: StateMistake) -> HypothesisStates {
                         _ => (cs(len - 1) - cs(j)).exp(),
                     };
                     let w = decay * cumsum.dt[[b, h, c, j]];
-                    for pp in 0..pn {
-                        let xw = i.x[[b, t0 + j, h, pp]] * w;
+                    let brow = i.B.slice(ndarray::s![b, t0 + j, g, ..]);
+                    let xrow = i.x.slice(ndarray::s![b, t0 + j, h, ..]);
+                    for (pp, &xv) in xrow.iter().enumerate() {
+                        let xw = xv * w;
                         let k0 = (h * pn + pp) * nn;
-                        for n in 0..nn {
-                            let term = xw * i.B[[b, t0 + j, g, n]];
-                            v[k0 + n] += term;
-                            a[k0 + n] += term.abs();
+                        let (vr, ar) = (&mut v[k0..k0 + nn], &mut a[k0..k0 + nn]);
+                        for ((vo, ao), &bv) in vr.iter_mut().zip(ar.iter_mut()).zip(brow.iter()) {
+                            let term = xw * bv;
+                            *vo += term;
+                            *ao += term.abs();
                         }
                     }
                 }
