@@ -578,7 +578,7 @@ fn rename_into_place(tmp: &Path, path: &Path) -> Result<(), VerifyError> {
     })
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), VerifyError> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), VerifyError> {
     let tmp = write_temp(path, bytes)?;
     rename_into_place(&tmp, path)
 }

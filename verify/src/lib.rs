@@ -8,12 +8,15 @@
 //!   outputs with the float64 reference; [`magnitude`] computes its magnitudes.
 //! - [`fuzz`]: proptest strategies for valid problems over every size and option.
 //! - [`suites`]: the fixture suites `ssd-oracle gen` writes.
-//! - [`report`]: the checker's report (table and JSON), shared by every front end.
+//! - [`report`]: the checker's report (table and JSON), shared by every front end;
+//!   [`diagnose`] its failure map and hints, [`plot`] the map's picture.
 
+pub mod diagnose;
 pub mod error;
 pub mod fixture;
 pub mod fuzz;
 pub mod magnitude;
+pub mod plot;
 pub mod report;
 pub mod suites;
 pub mod tolerance;

@@ -2,8 +2,10 @@
 //! Python package raises or returns, built once here so that every front end says the same.
 //!
 //! [`check_candidate`] compares a kernel's output tensors with a problem's float64 reference
-//! under the error bound of one [`Precision`]; [`Report::text`] renders the table,
-//! `serde_json` the JSON form (`check --json`).
+//! under the error bound of one [`Precision`] and, when the check fails, maps where the error
+//! lives and draws the hints ([`crate::diagnose`]); [`Report::text`] renders the table (with
+//! its `where` and `hint:` lines), `serde_json` the JSON form (`check --json`, with `hints` and
+//! `error_map`), [`crate::plot`] the picture (`check --plot`).
 //!
 //! ```
 //! use ssd_reference::random::{random_problem, ProblemSpec};
@@ -35,6 +37,7 @@ use ndarray::ArrayD;
 use serde::Serialize;
 use ssd_reference::{Dims, Problem};
 
+use crate::diagnose::{diagnose, Basis, Hint, Stage, TensorMap};
 use crate::error::VerifyError;
 use crate::fixture::{self, expected_shape, Dtype};
 use crate::tolerance::{Oracle, OutputName, Precision, TensorReport, Verdict};
@@ -61,8 +64,14 @@ pub struct Report {
     pub tensors: Vec<TensorReport>,
     /// Tensors of the candidate that are not outputs of the contract.
     pub ignored: Vec<String>,
-    /// A likely explanation of a failure, when one is clear.
+    /// The text of the first hint (kept for readers of the first JSON form).
     pub hint: Option<String>,
+    /// Likely explanations of a failure, when the pattern is clear ([`crate::diagnose`]):
+    /// stage, confidence (`sure` or `likely`) and text. Empty when the check passed.
+    pub hints: Vec<Hint>,
+    /// Where the failing tensors are wrong: per tensor, the error/bound ratio aggregated by
+    /// position in the chunk, chunk, head, group, sequence, batch row, channel and state.
+    pub error_map: Vec<TensorMap>,
     #[serde(skip)]
     dims: Dims,
     #[serde(skip)]
@@ -111,10 +120,25 @@ pub fn check_candidate(
         Ok(Verdict { precision, tensors })
     };
     let verdict = compare(precision)?;
-    let hint = if verdict.passed() {
-        None
+    let (hints, error_map) = if verdict.passed() {
+        (Vec::new(), Vec::new())
     } else {
-        hint(precision, &verdict, &compare)?
+        let diagnosis = diagnose(problem, oracle, present, precision, &verdict)?;
+        // Within the TF32 bound: a hint that explains the candidate first, then the precision;
+        // one from the map's pattern is dropped (TF32 rounding has patterns of its own).
+        let hints = match precision_hint(precision, &verdict, &compare)? {
+            Some(h) => {
+                let mut v: Vec<Hint> = diagnosis
+                    .hints
+                    .into_iter()
+                    .filter(|h| h.basis == Basis::Explained)
+                    .collect();
+                v.push(h);
+                v
+            }
+            None => diagnosis.hints,
+        };
+        (hints, diagnosis.maps)
     };
     Ok(Report {
         case: labels.case,
@@ -125,25 +149,29 @@ pub fn check_candidate(
         worst_ratio: verdict.max_ratio(),
         tensors: verdict.tensors,
         ignored,
-        hint,
+        hint: hints.first().map(|h| h.text.clone()),
+        hints,
+        error_map,
         dims: *problem.dims(),
         chunk_size: problem.options().chunk_size,
     })
 }
 
-/// When a candidate fails at f64 or f32 but passes at TF32, it most likely is a TF32 kernel.
-fn hint(
+/// When a candidate fails at f64 or f32 but passes at TF32, it most likely is a TF32 kernel
+/// (and the map's pattern is the rounding's, not a stage's).
+fn precision_hint(
     precision: Precision,
     verdict: &Verdict,
     compare: &dyn Fn(Precision) -> Result<Verdict, VerifyError>,
-) -> Result<Option<String>, VerifyError> {
+) -> Result<Option<Hint>, VerifyError> {
     if verdict.tensors.iter().any(|t| t.non_finite > 0) {
         return Ok(None);
     }
     if matches!(precision, Precision::F64 | Precision::F32) && compare(Precision::Tf32)?.passed() {
-        return Ok(Some(
-            "every element is within the TF32 bound: if the kernel multiplies with TF32 tensor cores (Triton's default for f32 dots), check it with --precision tf32".into(),
-        ));
+        return Ok(Some(Hint::explained(
+            Stage::Precision,
+            "every element is within the TF32 bound: if the kernel multiplies with TF32 tensor cores (Triton's default for f32 dots), check it with --precision tf32",
+        )));
     }
     Ok(None)
 }
@@ -208,9 +236,12 @@ impl Report {
                 }
             }
         }
+        for m in &self.error_map {
+            lines.push(format!("where {}", crate::diagnose::summary(m)));
+        }
         if !self.passed {
-            if let Some(h) = &self.hint {
-                lines.push(format!("hint: {h}"));
+            for h in &self.hints {
+                lines.push(format!("hint: {} ({}): {}", h.stage, h.confidence, h.text));
             }
         }
         lines

@@ -246,6 +246,20 @@ pub fn bounds(
     out
 }
 
+/// `|candidate - reference| / bound`: 0 for no error, infinite for a non-finite candidate.
+#[inline]
+pub fn ratio(candidate: f64, reference: f64, bound: f64) -> f64 {
+    if !candidate.is_finite() {
+        return f64::INFINITY;
+    }
+    let e = (candidate - reference).abs();
+    if e == 0.0 {
+        0.0
+    } else {
+        e / bound
+    }
+}
+
 /// The element that is furthest over (or closest to) its bound.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Worst {
@@ -492,6 +506,35 @@ impl Oracle {
     /// The per-element bound of one output.
     pub fn bounds(&self, name: OutputName, precision: Precision, storage: Dtype) -> ArrayD<f64> {
         bounds(&self.mags, name, self.reference(name), precision, storage)
+    }
+
+    /// The per-element ratio `|candidate - reference| / bound` of one output (0 where the
+    /// error is 0, infinite where the candidate is NaN or infinite), in the reference's
+    /// row-major layout: the input of the failure map ([`crate::diagnose`]).
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] when the shapes differ.
+    pub fn ratios(
+        &self,
+        name: OutputName,
+        candidate: &ArrayD<f64>,
+        storage: Dtype,
+        precision: Precision,
+    ) -> Result<ArrayD<f64>, VerifyError> {
+        let expected = self.reference(name);
+        if candidate.shape() != expected.shape() {
+            return Err(VerifyError::Usage(format!(
+                "candidate `{name}` has shape {:?}, expected {:?}",
+                candidate.shape(),
+                expected.shape()
+            )));
+        }
+        let mut out = self.bounds(name, precision, storage);
+        ndarray::Zip::from(&mut out)
+            .and(candidate)
+            .and(expected)
+            .par_for_each(|o, &c, &r| *o = ratio(c, r, *o));
+        Ok(out)
     }
 
     /// Compares one candidate tensor, stored as `storage`, with the reference.

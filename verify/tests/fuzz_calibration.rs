@@ -1,6 +1,7 @@
 //! Calibration of the error model: the largest error/bound ratio over many random cases, per
-//! precision and tensor, for correct implementations (no false alarm allowed), and how often a
-//! TF32 result is (rightly) refused at the f32 bound.
+//! precision and tensor, for correct implementations (no false alarm allowed, and no hint in
+//! the checker's report), and how often a TF32 result is (rightly) refused at the f32 bound
+//! (with the precision hint first).
 //!
 //! `calibration_quick` runs in the default suite; `calibration_10k` (ignored) is the recorded
 //! run of `docs/tolerances.md`:
@@ -18,7 +19,9 @@ use common::faults::{self, Fault, Rounding};
 use common::fixed_cases;
 use rayon::prelude::*;
 use ssd_reference::{chunked, naive, MatmulPrecision, Options, Problem};
+use ssd_verify::diagnose::Stage;
 use ssd_verify::fuzz::FuzzCase;
+use ssd_verify::report::{check_candidate, Labels};
 use ssd_verify::tolerance::{Candidate, Oracle, Precision, Verdict};
 
 /// Rounds `x`, `B`, `C`, `z` to bfloat16 ("before the kernel").
@@ -40,6 +43,39 @@ fn with_chunk(p: &Problem<f64>, chunk_size: usize) -> Problem<f64> {
 struct Stats {
     /// (label, tensor) -> (worst ratio, cases, failing cases, worst case)
     worst: BTreeMap<(String, String), (f64, usize, usize, String)>,
+    /// label -> (reports, reports with a hint, first hints not naming the precision)
+    hints: BTreeMap<String, (usize, usize, usize)>,
+    /// label -> first hint's stage -> reports
+    first: BTreeMap<String, BTreeMap<String, usize>>,
+}
+
+/// The checker's report on `candidate` (every tensor it holds): its hints.
+fn report_hints(
+    p: &Problem<f64>,
+    oracle: &Oracle,
+    candidate: &Candidate,
+    precision: Precision,
+) -> Vec<Stage> {
+    let present: Vec<_> = candidate
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t, candidate.dtype))
+        .collect();
+    let r = check_candidate(
+        Labels::default(),
+        p,
+        oracle,
+        &present,
+        Vec::new(),
+        precision,
+    )
+    .expect("shapes agree");
+    assert_eq!(
+        r.passed,
+        r.error_map.is_empty(),
+        "a map exactly when the check fails"
+    );
+    r.hints.iter().map(|h| h.stage).collect()
 }
 
 impl Stats {
@@ -60,7 +96,29 @@ impl Stats {
         }
     }
 
+    fn add_hints(&mut self, label: &str, stages: &[Stage]) {
+        let e = self.hints.entry(label.to_string()).or_default();
+        e.0 += 1;
+        if !stages.is_empty() {
+            e.1 += 1;
+        }
+        if stages.first().is_some_and(|s| *s != Stage::Precision) {
+            e.2 += 1;
+        }
+        if let Some(s) = stages.first() {
+            *self
+                .first
+                .entry(label.to_string())
+                .or_default()
+                .entry(format!("{s:?}"))
+                .or_default() += 1;
+        }
+    }
+
     fn print(&self) {
+        for (label, (n, with, other)) in &self.hints {
+            println!("{label:<34} reports {n:>6}  with a hint {with:>6}  first hint not the precision {other:>6}  first hints {:?}", self.first.get(label));
+        }
         for ((label, tensor), (w, n, f, case)) in &self.worst {
             println!("{label:<34} {tensor:<13} cases {n:>6}  failing {f:>6}  worst ratio {w:.3e}");
             if *f > 0 && !label.contains("expect-fail") {
@@ -87,14 +145,24 @@ fn calibrate(n: usize, seed: u8) -> Stats {
         let oracle = Oracle::new(&p);
         let p32 = p.cast::<f32>();
         let mut local: Vec<(&str, Verdict)> = Vec::new();
+        let mut hints: Vec<(&str, Vec<Stage>)> = Vec::new();
         let check = |c: Candidate, prec| oracle.check(&c, prec).expect("shapes agree");
+        // Through the report, as `check` prints it: its hints.
+        let report = |c: Candidate, prec| report_hints(&p, &oracle, &c, prec);
 
         let c64 = chunked::forward(&p, MatmulPrecision::Native);
         local.push(("chunked f64 @f64", check((&c64).into(), Precision::F64)));
+        hints.push(("chunked f64 @f64", report((&c64).into(), Precision::F64)));
         let c32 = chunked::forward(&p32, MatmulPrecision::Native);
         local.push(("chunked f32 @f32", check((&c32).into(), Precision::F32)));
+        hints.push(("chunked f32 @f32", report((&c32).into(), Precision::F32)));
         let ct = chunked::forward(&p32, MatmulPrecision::Tf32);
         local.push(("chunked tf32 @tf32", check((&ct).into(), Precision::Tf32)));
+        hints.push(("chunked tf32 @tf32", report((&ct).into(), Precision::Tf32)));
+        hints.push((
+            "chunked tf32 @f32 (expect-fail)",
+            report((&ct).into(), Precision::F32),
+        ));
         local.push((
             "chunked tf32 @f32 (expect-fail)",
             check((&ct).into(), Precision::F32),
@@ -102,17 +170,24 @@ fn calibrate(n: usize, seed: u8) -> Stats {
         // The independent plain-loops implementation, all four tensors.
         let f64c = faults::forward(&p, Fault::None, Rounding::None);
         local.push(("plain f64 @f64", check((&f64c).into(), Precision::F64)));
+        hints.push(("plain f64 @f64", report((&f64c).into(), Precision::F64)));
         let ft = faults::forward(&p32, Fault::None, Rounding::Tf32);
         local.push(("plain tf32 @tf32", check((&ft).into(), Precision::Tf32)));
+        hints.push(("plain tf32 @tf32", report((&ft).into(), Precision::Tf32)));
         let ftt = faults::forward(&p32, Fault::None, Rounding::Tf32Truncate);
         local.push((
             "plain tf32-truncating @tf32",
             check((&ftt).into(), Precision::Tf32),
         ));
+        hints.push((
+            "plain tf32-truncating @tf32",
+            report((&ftt).into(), Precision::Tf32),
+        ));
         // BF16: inputs rounded before the kernel, operands rounded to bf16.
         let pb = bf16_inputs(&p).cast::<f32>();
         let fb = faults::forward(&pb, Fault::None, Rounding::Bf16);
         local.push(("plain bf16 @bf16", check((&fb).into(), Precision::Bf16)));
+        hints.push(("plain bf16 @bf16", report((&fb).into(), Precision::Bf16)));
         // The naive recurrence in f32 is the chunked algorithm with chunk size 1.
         let p1 = with_chunk(&p, 1);
         let oracle1 = Oracle::new(&p1);
@@ -121,10 +196,17 @@ fn calibrate(n: usize, seed: u8) -> Stats {
             .check(&(&n32).into(), Precision::F32)
             .expect("shapes agree");
         local.push(("naive f32 @f32 (chunk 1)", v));
+        hints.push((
+            "naive f32 @f32 (chunk 1)",
+            report_hints(&p1, &oracle1, &(&n32).into(), Precision::F32),
+        ));
 
         let mut s = stats.lock().expect("no poisoned lock");
         for (label, v) in &local {
             s.add(label, v, case);
+        }
+        for (label, h) in &hints {
+            s.add_hints(label, h);
         }
     });
     stats.into_inner().expect("no poisoned lock")
@@ -144,7 +226,15 @@ const CORRECT: [&str; 8] = [
 fn assert_no_false_alarm(s: &Stats) {
     for label in CORRECT {
         assert_eq!(s.failing(label), 0, "false alarms for {label}");
+        // No hint for a correct candidate, through the report `check` prints.
+        let (n, with, _) = s.hints[label];
+        assert!(n > 0, "{label}: no report");
+        assert_eq!(with, 0, "hints for the correct {label}");
     }
+    // A TF32 result checked at f32 is told about the precision first, never a stage.
+    let (_, with, other) = s.hints["chunked tf32 @f32 (expect-fail)"];
+    assert!(with > 0, "no hint for a TF32 result at f32");
+    assert_eq!(other, 0, "a TF32 result at f32 hinted at a stage first");
     // TF32 is far outside the f32 bound: most cases are refused.
     let (refused, n) = s
         .worst

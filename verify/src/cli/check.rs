@@ -3,12 +3,14 @@
 //!
 //! Exit status: 0 every element within its bound; 1 some element over its bound, or NaN or
 //! infinite (reported with its index); 2 unusable input (a file that cannot be read, a missing
-//! `out`, a tensor of the wrong shape or dtype), with a one-line reason.
+//! `out`, a tensor of the wrong shape or dtype, a `--plot` path that is not `.svg` or cannot be
+//! written), with a one-line reason.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ssd_verify::fixture::{self, TensorFile};
+use ssd_verify::plot;
 use ssd_verify::report::{check_candidate, check_candidate_shape, list_names, Labels};
 use ssd_verify::tolerance::{Oracle, OutputName, Precision};
 use ssd_verify::VerifyError;
@@ -37,6 +39,12 @@ pub struct Args {
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+
+    /// Draw where the candidate is wrong: per failing tensor, the heat map of error/bound over
+    /// (token, head) with chunk boundaries and sequence starts, and the profile per position
+    /// in the chunk (SVG; a passing check gives a picture that says so).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
 }
 
 /// Runs the subcommand.
@@ -46,6 +54,9 @@ pub struct Args {
 /// candidate has no `out`, a tensor has the wrong shape or a non-float dtype, or the case's
 /// stored magnitudes disagree with its inputs.
 pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
+    if let Some(path) = &args.plot {
+        plot::check_plot_path(path)?;
+    }
     let loaded = fixture::read_case(&args.case)?;
     let problem = &loaded.case.problem;
     let file = TensorFile::open(&args.candidate)?;
@@ -92,10 +103,16 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         candidate: args.candidate.display().to_string(),
     };
     let report = check_candidate(labels, problem, &oracle, &tensors, ignored, args.precision)?;
+    if let Some(path) = &args.plot {
+        plot::write_plot(&report, path)?;
+    }
     if args.json {
         println!("{}", report.to_json()?);
     } else {
         print!("{}", report.text());
+        if let Some(path) = &args.plot {
+            println!("picture: {}", path.display());
+        }
     }
     Ok(if report.passed {
         ExitCode::SUCCESS
