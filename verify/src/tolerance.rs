@@ -521,6 +521,21 @@ impl Oracle {
         storage: Dtype,
         precision: Precision,
     ) -> Result<ArrayD<f64>, VerifyError> {
+        let expected = self.same_shape(name, candidate)?;
+        let mut out = self.bounds(name, precision, storage);
+        ndarray::Zip::from(&mut out)
+            .and(candidate)
+            .and(expected)
+            .par_for_each(|o, &c, &r| *o = ratio(c, r, *o));
+        Ok(out)
+    }
+
+    /// The reference of `name`, when `candidate` has its shape.
+    fn same_shape(
+        &self,
+        name: OutputName,
+        candidate: &ArrayD<f64>,
+    ) -> Result<&ArrayD<f64>, VerifyError> {
         let expected = self.reference(name);
         if candidate.shape() != expected.shape() {
             return Err(VerifyError::Usage(format!(
@@ -529,12 +544,7 @@ impl Oracle {
                 expected.shape()
             )));
         }
-        let mut out = self.bounds(name, precision, storage);
-        ndarray::Zip::from(&mut out)
-            .and(candidate)
-            .and(expected)
-            .par_for_each(|o, &c, &r| *o = ratio(c, r, *o));
-        Ok(out)
+        Ok(expected)
     }
 
     /// Compares one candidate tensor, stored as `storage`, with the reference.
@@ -548,14 +558,7 @@ impl Oracle {
         storage: Dtype,
         precision: Precision,
     ) -> Result<TensorReport, VerifyError> {
-        let expected = self.reference(name);
-        if candidate.shape() != expected.shape() {
-            return Err(VerifyError::Usage(format!(
-                "candidate `{name}` has shape {:?}, expected {:?}",
-                candidate.shape(),
-                expected.shape()
-            )));
-        }
+        let expected = self.same_shape(name, candidate)?;
         let u = precision.units();
         let ch = self.mags.channels(name);
         let floor = u.eta * self.mags.floor_scale;
@@ -594,7 +597,7 @@ impl Oracle {
             let e = (c - r).abs();
             max_abs = max_abs.max(e);
             err2 += e * e;
-            let ratio = if e == 0.0 { 0.0 } else { e / bound };
+            let ratio = ratio(c, r, bound);
             if ratio > 1.0 {
                 exceeding += 1;
             }
