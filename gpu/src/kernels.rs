@@ -47,8 +47,6 @@ pub enum Kernel {
     ChunkCumsum,
     /// Stage 1, one block per (batch, chunk, 32 heads).
     ChunkCumsumTiled,
-    /// Stage 2 in one kernel, sequential over the chunks (version 1; the fallback of 2a).
-    FwdPassState,
     /// Stage 2a, 64 dstate columns per block.
     ChunkStateLocal,
     /// Stage 2a, 128 dstate columns per block.
@@ -57,8 +55,6 @@ pub enum Kernel {
     ChunkStateLocalPair,
     /// Stage 2b, the pass across chunks.
     StatePassing,
-    /// Stage 3 in one kernel that computes its own scores (version 1; other chunk sizes).
-    ComputeOut,
     /// Stage 3a, the scores `C B^T`.
     ChunkCb,
     /// Stage 3b over 64 rows per block.
@@ -67,10 +63,15 @@ pub enum Kernel {
     ComputeOutCb128,
     /// Stage 3b over pairs of units.
     ComputeOutPair,
+    /// Stage 2 in one kernel, sequential over the chunks (version 1; the fallback of 2a).
+    FwdPassState,
+    /// Stage 3 in one kernel that computes its own scores (version 1; other chunk sizes).
+    ComputeOut,
 }
 
 impl Kernel {
-    /// Every kernel, in the order of [`crate::Gpu::kernel_resources`].
+    /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
+    /// (`k as usize` is `k`'s index here).
     pub const ALL: [Kernel; 12] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
@@ -296,6 +297,9 @@ mod tests {
                 k.name()
             );
             assert!(k.params_bytes() % 8 == 0);
+        }
+        for (i, k) in Kernel::ALL.into_iter().enumerate() {
+            assert_eq!(k as usize, i, "{}", k.name());
         }
         let mut names: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
         names.sort_unstable();

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
+    result::DriverError,
     sys::{CUdevice_attribute, CUfunction_attribute},
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -250,12 +251,20 @@ impl Gpu {
             block_dim: (k.threads(), 1, 1),
             shared_mem_bytes: self.smem_bytes(k, dstate) as u32,
         };
+        let failed = |pending: bool| {
+            move |source: DriverError| GpuError::Launch {
+                kernel: k.name(),
+                pending,
+                source,
+            }
+        };
+        self.stream.context().check_err().map_err(failed(true))?;
         let mut launch = self.stream.launch_builder(self.function(k));
         launch.arg(params);
         // SAFETY: the caller's contract; the struct's size was checked against the kernel's
         // (at load, against the module's layout), and the opt-in shared memory was raised at
         // load for every kernel with dynamic shared memory.
-        unsafe { launch.launch(cfg) }?;
+        unsafe { launch.launch(cfg) }.map_err(failed(false))?;
         Ok(())
     }
 

@@ -196,7 +196,7 @@ struct ChunkStateLocalSmem {
 };
 static_assert(sizeof(ChunkStateLocalSmem<64>::Buf) == SL_BUF(64) * 4, "2a's buffer");
 static_assert(sizeof(ChunkStateLocalSmem<128>::Buf) == SL_BUF(128) * 4, "2a's buffer");
-static_assert(__builtin_offsetof(ChunkStateLocalSmem<128>, w) == 2 * SL_BUF(128) * 4, "2a's w");
+static_assert(sizeof(ChunkStateLocalSmem<128>) == (2 * SL_BUF(128) + 8 * ST_TK) * 4, "2a's layout");
 
 #define CHUNK_STATE_LOCAL_FIELDS                                                                                 \
     p.x, p.Bm, p.dt_out, p.dA_cumsum, p.seq_idx, p.chunk_states, p.seqlen, p.nheads, p.headdim, p.ngroups, p.dstate, \

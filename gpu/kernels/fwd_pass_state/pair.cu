@@ -125,7 +125,7 @@ struct ChunkStateLocalPairSmem {
     const float* base[8];  // the block's base addresses
 };
 static_assert(sizeof(ChunkStateLocalPairSmem::Stage) == SP_STAGE * 4, "the pair kernel's stage");
-static_assert(__builtin_offsetof(ChunkStateLocalPairSmem, base) == (3 * SP_STAGE + 8 * 32) * 4, "its base addresses");
+static_assert(sizeof(ChunkStateLocalPairSmem) == (3 * SP_STAGE + 8 * 32) * 4 + 64, "the pair kernel's layout");
 
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(const ChunkStateLocalParams p) {
     chunk_state_local_pair_body(CHUNK_STATE_LOCAL_FIELDS);
