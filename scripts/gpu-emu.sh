@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA kernels of gpu/kernels/ on the CPU (no GPU needed): gpu/emu/ emulates a block as
 # host threads (barriers, warp-level mma, deferred cp.async copies, shared memory poisoned with
-# NaN) and compares version 2 (the default) with version 1 (SSD_GPU_V1=1) on small
+# NaN) and compares version 2 (the default) with version 1 (Variant::V1) on small
 # problems over every option: dA_cumsum/dt' the same bits; chunk/final states and `out` within
 # 5e-3 of their largest magnitude, the kernels over pairs of units (2a, output) too where they apply (version 2 feeds the tensor cores raw f32 operands and uses
 # 2^x); the 16-byte and 4-byte copy paths of the output and scores kernels the same bits; no

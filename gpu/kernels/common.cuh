@@ -174,8 +174,8 @@ __device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int c
 // once per kernel).
 // A block with every row and column valid takes a short path: no predicates and no fallback
 // address, one base address per thread in each space, then constant steps of NT / 16 rows (the
-// general path spent about 20 integer instructions per 16-byte copy: a third of all the
-// instructions of the output and state kernels).
+// general path's address arithmetic dominates the integer work of the output and state
+// kernels).
 template <bool VEC, int NT = 128>
 __device__ __forceinline__ void async_block64_v(float* dst, int dst_stride, const float* __restrict__ src,
                                                 i64 src_stride, int rows_valid, int cols_valid, int tid) {
@@ -217,7 +217,7 @@ __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const 
 // (cols_valid a multiple of 4). 16-byte copies by NT threads; a fully valid block takes the
 // short path (one base address per thread, constant steps). Offsets from src are 32-bit
 // unsigned (the callers' ROWS x src_stride stay below 2^32 floats): 64-bit address arithmetic
-// had cost about 15 integer instructions per 16-byte copy.
+// costs several integer instructions per 16-byte copy.
 template <int ROWS, int COLS, int NT>
 __device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src,
                                            unsigned src_stride, int rows_valid, int cols_valid, int tid) {

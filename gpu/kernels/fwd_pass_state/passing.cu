@@ -41,8 +41,8 @@ __device__ __forceinline__ void state_passing_body(
         T own[SP_UNROLL];
         float sc[SP_UNROLL];
         int seq_last[SP_UNROLL];
-        // Every load of the SP_UNROLL chunks first, so that they are in flight together (the
-        // exponent of a chunk used to wait for its cumsum load before the next chunk's loads).
+        // Every load of the SP_UNROLL chunks first, so that they are in flight together (rather
+        // than each chunk's exponent waiting for its cumsum load before the next chunk's loads).
 #pragma unroll
         for (int k = 0; k < SP_UNROLL; ++k) {
             const int c = c0 + k;
