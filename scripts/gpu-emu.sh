@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # Runs the CUDA kernels of gpu/kernels/ on the CPU (no GPU needed): gpu/emu/ emulates a block as
 # host threads (barriers, warp-level mma, deferred cp.async copies, shared memory poisoned with
-# NaN) and compares version 2 (the default) with version 1 (SSD_GPU_V1=1) on small
+# NaN) and compares version 2 (the default) with version 1 (Variant::V1) on small
 # problems over every option: dA_cumsum/dt' the same bits; chunk/final states and `out` within
 # 5e-3 of their largest magnitude, the kernels over pairs of units (2a, output) too where they apply (version 2 feeds the tensor cores raw f32 operands and uses
 # 2^x); the 16-byte and 4-byte copy paths of the output and scores kernels the same bits; no
 # NaN anywhere.
-# Needs g++ with C++20 and python3. Slow (threads): keep the problems small.
+# The kernel sources are compiled as they are (gpu/emu/kernels.h), emu.h standing in for
+# kernels/ptx.cuh. Needs g++ with C++20. Slow (threads): keep the problems small.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 "$root/gpu/emu/gen_kernels.py" "$root/gpu/kernels" "$work/kernels.cpp"
-cp "$root/gpu/emu/emu.h" "$work/"
 g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wno-unknown-pragmas -pthread \
-  -DKERNELS_CPP='"kernels.cpp"' -I"$work" "$root/gpu/emu/main.cpp" -o "$work/emu"
+  "$root/gpu/emu/main.cpp" -o "$work/emu"
 fail=0
 # batch seqlen nheads headdim ngroups dstate chunk opts seed
 # opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus

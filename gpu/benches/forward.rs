@@ -1,17 +1,18 @@
 //! Times the GPU forward on the shapes of the speed issue, with CUDA events: warm-up, then the
 //! median of many runs, input sets rotated so that the 60 MB L2 does not flatter us, random
-//! non-zero data (fp32 inputs, TF32 products, dt already activated, D per head, initial states
-//! in, final states out). Also each stage's share. Prints a table and one `BENCH_JSON {...}`
-//! line per shape for scripts.
+//! non-zero data from `ssd_reference::random::random_problem` (fp32 inputs, TF32 products, dt
+//! already activated, D per head, initial states in, final states out). Also each stage's
+//! share. Prints a table and one `BENCH_JSON {...}` line per shape for scripts.
 //!
 //! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
-//! alone, from 0, e.g. under a profiler). Without a GPU it says so and exits 0.
+//! alone, from 0, e.g. under a profiler). `SSD_GPU_V1=1` or `SSD_GPU_PAIR=0` in the environment
+//! times another variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
 use std::sync::Arc;
 
 use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
-use rayon::prelude::*;
-use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError};
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec};
 use ssd_reference::{Dims, Options};
 
 /// (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
@@ -23,44 +24,16 @@ const SHAPES: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
     (4, 65536, 8, 64, 256, 1, 128),
 ];
 
-fn fill(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    (0..n)
-        .into_par_iter()
-        .map(|i| {
-            let mut z = (i as u64).wrapping_add(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            lo + (hi - lo) * ((z >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
 fn inputs(gpu: &Gpu, dims: Dims, options: Options, seed: u64) -> Result<DeviceInputs, GpuError> {
-    let s = gpu.stream();
-    let (b, l, h, p, g, n) = (
-        dims.batch,
-        dims.seqlen,
-        dims.nheads,
-        dims.headdim,
-        dims.ngroups,
-        dims.dstate,
-    );
-    let up = |v: Vec<f32>| s.clone_htod(&v);
-    Ok(DeviceInputs {
-        dims,
+    let spec = ProblemSpec {
         options,
-        x: up(fill(b * l * h * p, seed, -1.0, 1.0))?,
-        dt: up(fill(b * l * h, seed + 1, 0.001, 0.1))?,
-        A: up(fill(h, seed + 2, -8.0, -0.5))?,
-        B: up(fill(b * l * g * n, seed + 3, -1.0, 1.0))?,
-        C: up(fill(b * l * g * n, seed + 4, -1.0, 1.0))?,
-        D: Some(up(fill(h, seed + 5, -1.0, 1.0))?),
-        z: None,
-        dt_bias: None,
-        initial_states: Some(up(fill(b * h * p * n, seed + 6, -1.0, 1.0))?),
-        seq_idx: None,
-    })
+        d: DSkip::PerHead,
+        initial_states: true,
+        ..ProblemSpec::plain(dims)
+    };
+    let problem = random_problem(&spec, seed)
+        .map_err(|e| GpuError::Unsupported(format!("random problem: {e}")))?;
+    gpu.upload(&problem.cast::<f32>())
 }
 
 fn median(mut v: Vec<f32>) -> f64 {
@@ -159,7 +132,7 @@ fn main() {
     if args.iter().any(|a| a == "--list" || a == "--test") {
         return; // `cargo test --benches` runs nothing
     }
-    let gpu = match Gpu::new(0) {
+    let gpu = match Gpu::with_config(GpuConfig::from_env()) {
         Ok(g) => g,
         Err(e) => {
             println!("skipped: {e}");
@@ -167,9 +140,10 @@ fn main() {
         }
     };
     println!(
-        "ssd-gpu forward on {} ({}), fp32 inputs, TF32 products, median of {reps} (CUDA events)",
+        "ssd-gpu forward on {} ({}, {:?}), fp32 inputs, TF32 products, median of {reps} (CUDA events)",
         gpu.device_name(),
-        gpu.target()
+        gpu.target(),
+        gpu.config().variant
     );
     match gpu.kernel_resources() {
         Ok(list) => {

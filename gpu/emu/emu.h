@@ -1,4 +1,5 @@
-// Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/):
+// Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/),
+// in place of kernels/ptx.cuh (every helper of that file is emulated here under its name):
 // a block runs as blockDim host threads with std::barrier for __syncthreads/__syncwarp;
 // mma.sync m16n8k8 TF32 is emulated warp-wide through a per-warp scratch (f32 sums in k order,
 // so only comparisons between kernel versions are meaningful, not bits against the GPU);
@@ -22,6 +23,9 @@ using std::min; using std::max;
 #define __restrict__
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
+#define __constant__
+// The block's dynamic shared memory (see launch in main.cpp).
+#define SSD_DYNAMIC_SMEM(name) float* name = g_dyn
 struct dim3e { unsigned x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };

@@ -1,9 +1,10 @@
-// CPU emulation harness for the CUDA kernels (see scripts/gpu-emu.sh): runs version 1 (fused
+// CPU emulation harness for the CUDA kernels (see scripts/gpu-emu.sh), compiled together with the
+// kernel sources themselves (kernels.h): runs version 1 (fused
 // state pass + ssd_compute_out) and version 2 (ssd_chunk_state_local + ssd_state_passing,
 // ssd_chunk_cb + ssd_compute_out_cb) of the SSD forward on one random problem and compares them.
 // Arguments: batch seqlen nheads headdim ngroups dstate chunk opts seed
 // (opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus).
-#include KERNELS_CPP
+#include "kernels.h"
 #include <random>
 #include <string>
 thread_local dim3e threadIdx, blockIdx, blockDim;
@@ -55,10 +56,10 @@ int main(int argc, char** argv) {
     std::vector<float> dto(ncs, NAN), dac(ncs, NAN);
     if (Q <= 256)  // the tiled kernel up to chunk 256 (the host also caps its grid at 1,024 blocks)
         launch({(unsigned)nc, (unsigned)((H + 31) / 32), (unsigned)B}, 256, 0, [&] {
-            ssd_chunk_cumsum_tiled(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY); });
+            ssd_chunk_cumsum_tiled({dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 0}); });
     else
         launch({(unsigned)((B * nc * H + 127) / 128), 1, 1}, 128, 0, [&] {
-            ssd_chunk_cumsum(dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 1); });
+            ssd_chunk_cumsum({dt.data(), A.data(), biasp, dto.data(), dac.data(), B, L, H, Q, nc, softplus, 0.0f, INFINITY, 1}); });
     // old cumsum loop
     int bad = 0;
     for (int b = 0; b < B; ++b) for (int c = 0; c < nc; ++c) for (int h = 0; h < H; ++h) {
@@ -72,49 +73,49 @@ int main(int argc, char** argv) {
     // legacy
     std::vector<float> cstL(nst, NAN), finL(nfs, NAN), outL(nx, NAN);
     launch({(unsigned)(ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 0, [&] {
-        ssd_fwd_pass_state(x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstL.data(), finL.data(), L, H, P, G, N, Q, nc); });
-    int NC64 = ntiles * 64; size_t smem_old = (2 * 64 * (NC64 + 4) + 64 * 72 + 4 * 16 * 68 + 5 * 64) * 4;
+        ssd_fwd_pass_state({x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstL.data(), finL.data(), L, H, P, G, N, Q, nc}); });
+    size_t smem_old = ssd_compute_out_layout.smem[ntiles - 1];
     auto run_old_out = [&](std::vector<float>& cst, std::vector<float>& out) {
         launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, smem_old, [&] {
-            ssd_compute_out(x.data(), Bm.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cst.data(), seqp, out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0); });
+            ssd_compute_out({x.data(), Bm.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cst.data(), seqp, out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0}); });
     };
     run_old_out(cstL, outL);
     // new
     std::vector<float> cstN(nst, NAN), finN(nfs, NAN), outN(nx, NAN), outLN(nx, NAN);
     if (N > 64)  // the wide variant, as the host picks it: 128 dstate columns, 256 threads
-        launch({(unsigned)(nc * ptiles * ((N + 127) / 128) * H), 1, (unsigned)B}, 256, (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4, [&] {
-            ssd_chunk_state_local_wide(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
+        launch({(unsigned)(nc * ptiles * ((N + 127) / 128) * H), 1, (unsigned)B}, 256, ssd_chunk_state_local_wide_layout.smem[0], [&] {
+            ssd_chunk_state_local_wide({x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc}); });
     else
-        launch({(unsigned)(nc * ptiles * ntiles * H), 1, (unsigned)B}, 128, (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4, [&] {
-            ssd_chunk_state_local(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc); });
+        launch({(unsigned)(nc * ptiles * ntiles * H), 1, (unsigned)B}, 128, ssd_chunk_state_local_layout.smem[0], [&] {
+            ssd_chunk_state_local({x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstN.data(), L, H, P, G, N, Q, nc}); });
     const int vec4 = (P * N) % 4 == 0 ? 1 : 0;
     launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
-        ssd_state_passing(dac.data(), initp, seqp, cstN.data(), finN.data(), L, H, P, N, Q, nc, vec4); });
+        ssd_state_passing({dac.data(), initp, seqp, cstN.data(), finN.data(), L, H, P, N, Q, nc, vec4}); });
     // 2a over pairs of units, where the host would launch it, then the same pass
     const int units_per_group2 = H / G * ptiles;
     const bool state_pairs = N > 64 && P % 4 == 0 && N % 4 == 0 && units_per_group2 % 2 == 0;
     std::vector<float> cstP(nst, NAN), finP(nfs, NAN);
     if (state_pairs) {
-        launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64, [&] {
-            ssd_chunk_state_local_pair(x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstP.data(), L, H, P, G, N, Q, nc); });
+        launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, ssd_chunk_state_local_pair_layout.smem[0], [&] {
+            ssd_chunk_state_local_pair({x.data(), Bm.data(), dto.data(), dac.data(), seqp, cstP.data(), L, H, P, G, N, Q, nc}); });
         launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
-            ssd_state_passing(dac.data(), initp, seqp, cstP.data(), finP.data(), L, H, P, N, Q, nc, vec4); });
+            ssd_state_passing({dac.data(), initp, seqp, cstP.data(), finP.data(), L, H, P, N, Q, nc, vec4}); });
     }
     int tmax = (std::min(Q, L) + 63) / 64, npairs = tmax * (tmax + 1) / 2;
     std::vector<float> cbuf((size_t)B * nc * G * npairs * 4096, NAN), cbuf4(cbuf.size(), NAN);
     auto run_cb = [&](std::vector<float>& cb, int vec) {
-        launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, 2 * 2 * 64 * 68 * 4, [&] {
-            ssd_chunk_cb(Bm.data(), Cm.data(), cb.data(), L, G, N, Q, nc, tmax, vec); });
+        launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, ssd_chunk_cb_layout.smem[0], [&] {
+            ssd_chunk_cb({Bm.data(), Cm.data(), cb.data(), L, G, N, Q, nc, tmax, vec}); });
     };
     run_cb(cbuf, N % 4 == 0 ? 1 : 0);
     if (N % 4 == 0) run_cb(cbuf4, 0); else cbuf4 = cbuf;
     // rows: 128 (ssd_compute_out_cb128, what the host launches when tmax >= 2) or 64.
     auto run_cb_out = [&](std::vector<float>& out, int vec, int rows) {
-        launch({(unsigned)(nc * ((Q + rows - 1) / rows)), (unsigned)(H * ptiles), (unsigned)B}, 2 * rows, (2 * (rows * 68 + 64 * 72 + 192) + 2 * rows) * 4, [&] {
+        launch({(unsigned)(nc * ((Q + rows - 1) / rows)), (unsigned)(H * ptiles), (unsigned)B}, 2 * rows, (rows == 128 ? ssd_compute_out_cb128_layout : ssd_compute_out_cb_layout).smem[0], [&] {
             if (rows == 128)
-                ssd_compute_out_cb128(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec);
+                ssd_compute_out_cb128({x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec});
             else
-                ssd_compute_out_cb(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec); });
+                ssd_compute_out_cb({x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, vec}); });
     };
     const int vec16 = (P % 4 == 0 && N % 4 == 0) ? 1 : 0;
     const int rows = tmax >= 2 ? 128 : 64;
@@ -128,8 +129,8 @@ int main(int argc, char** argv) {
     const bool pairs = tmax >= 2 && vec16 && units_per_group % 2 == 0;
     std::vector<float> outP(nx, NAN);
     if (pairs)
-        launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96, [&] {
-            ssd_compute_out_pair(x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), outP.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1); });
+        launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, ssd_compute_out_pair_layout.smem[0], [&] {
+            ssd_compute_out_pair({x.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cstN.data(), seqp, cbuf.data(), outP.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
     run_old_out(cstN, outLN);
     // tol: max |diff| allowed, relative to max(max|ref|, 1). Version 2's kernels feed raw f32
     // operands and 2^x instead of TF32-rounded ones and exp (5e-3, about 10 TF32 units): a

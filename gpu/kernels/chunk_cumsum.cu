@@ -15,7 +15,7 @@ __device__ __forceinline__ float dt_processed(float v, int has_bias, float bias,
     return fminf(fmaxf(v, dt_lo), dt_hi);
 }
 
-extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
+__device__ __forceinline__ void chunk_cumsum_body(
     const float* __restrict__ dt,       // [batch, seqlen, nheads]
     const float* __restrict__ A,        // [nheads]
     const float* __restrict__ dt_bias,  // [nheads] or null
@@ -75,6 +75,26 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
     }
 }
 
+// The parameters of ssd_chunk_cumsum and ssd_chunk_cumsum_tiled (Rust: ChunkCumsumParams).
+struct ChunkCumsumParams {
+    const float* dt;       // [batch, seqlen, nheads]
+    const float* A;        // [nheads]
+    const float* dt_bias;  // [nheads] or null
+    float* dt_out;         // [batch, nheads, nchunks, chunk_size]
+    float* dA_cumsum;      // [batch, nheads, nchunks, chunk_size]
+    int batch, seqlen, nheads, chunk_size, nchunks;
+    int dt_softplus;
+    float dt_lo, dt_hi;
+    int unroll16;  // ssd_chunk_cumsum only: 1 for the 16-token path (chunk_size a multiple of 16)
+};
+static_assert(sizeof(ChunkCumsumParams) == 80, "ChunkCumsumParams: the Rust struct has 80 bytes");
+
+extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(const ChunkCumsumParams p) {
+    chunk_cumsum_body(p.dt, p.A, p.dt_bias, p.dt_out, p.dA_cumsum, p.batch, p.seqlen, p.nheads, p.chunk_size,
+                      p.nchunks, p.dt_softplus, p.dt_lo, p.dt_hi, p.unroll16);
+}
+SSD_LAYOUT_FIXED(ssd_chunk_cumsum, ChunkCumsumParams, 0);
+
 // Version 2's stage 1 for chunk_size <= CS_TILED_MAX: one block of 256 threads per (batch b,
 // chunk c, 32 heads h0 ..). The block first loads the chunk's dt of its heads with every load
 // in flight at once (a row of 32 heads of one token per warp: coalesced; up to 32 loads per
@@ -86,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(128) ssd_chunk_cumsum(
 // is small. Shared memory: chunk_size x 33 floats (static, 33.8 KB at chunk 256).
 #define CS_TILED_MAX 256
 #define CS_HEADS 32
-extern "C" __global__ void __launch_bounds__(256) ssd_chunk_cumsum_tiled(
+__device__ __forceinline__ void chunk_cumsum_tiled_body(
     const float* __restrict__ dt,       // [batch, seqlen, nheads]
     const float* __restrict__ A,        // [nheads]
     const float* __restrict__ dt_bias,  // [nheads] or null
@@ -153,3 +173,10 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_cumsum_tiled(
         dt_out[(((i64)b * nheads + h0 + hh) * nchunks + c) * chunk_size + l] = s[l * (CS_HEADS + 1) + hh];
     }
 }
+
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_cumsum_tiled(const ChunkCumsumParams p) {
+    chunk_cumsum_tiled_body(p.dt, p.A, p.dt_bias, p.dt_out, p.dA_cumsum, p.batch, p.seqlen, p.nheads, p.chunk_size,
+                            p.nchunks, p.dt_softplus, p.dt_lo, p.dt_hi);
+}
+// Static shared memory only (CS_TILED_MAX x 33 floats).
+SSD_LAYOUT_FIXED(ssd_chunk_cumsum_tiled, ChunkCumsumParams, 0);

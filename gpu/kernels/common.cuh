@@ -1,35 +1,28 @@
-// Shared helpers of the SSD kernels: TF32 rounding and the m16n8k8 TF32 tensor-core product.
+// Shared helpers of the SSD kernels: fragment loads, tile copies and the contract between a
+// kernel and the host.
 //
-// Every kernel file is compiled in one NVRTC program, after this file. No CUDA header is
-// needed: the tensor-core product is inline PTX.
-//
-// Fragment layouts of mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, for lane
-// `lane` with g = lane / 4 and q = lane % 4 (PTX ISA, "Matrix fragments for mma.m16n8k8"):
-//   A (16 x 8, row major): a0 = A[g][q], a1 = A[g + 8][q], a2 = A[g][q + 4], a3 = A[g + 8][q + 4]
-//   B (8 x 8, column):     b0 = B[q][g], b1 = B[q + 4][g]
-//   C, D (16 x 8):         c0 = C[g][2q], c1 = C[g][2q + 1], c2 = C[g + 8][2q], c3 = C[g + 8][2q + 1]
+// Every kernel file is compiled in one NVRTC program, after ptx.cuh (the inline PTX) and this
+// file. No CUDA header is needed.
 
 typedef long long i64;
 
 #define LOG2E_F 1.4426950408889634f
 #define NEG_INF_F __int_as_float(0xff800000)
 
-// Rounds an f32 to TF32 (10 explicit mantissa bits), to nearest with ties away from zero, as
-// the CPU emulation `MatmulPrecision::Tf32` does. The result is an f32 with 13 zero low bits.
-__device__ __forceinline__ float tf32_round(float v) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return __uint_as_float(r);
-}
-
-// d += a * b on the tensor cores; operands are f32 bit patterns already rounded to TF32.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+// The contract of each kernel with the host, in one place: every kernel K takes one parameter
+// struct by value (its fields are the kernel's arguments, in the order of the Rust struct of
+// the same name in gpu/src), and defines the global `K_layout`, which the host reads from the
+// loaded module: the size of that struct (checked against the Rust one) and the dynamic shared
+// memory a block of K takes, for dstate up to 64, 128, 192 and 256 (the same four times where
+// it does not depend on dstate), as the sizeof of the C struct that lays it out. So the
+// shared-memory sizes are written once, here in the kernel source.
+struct KernelLayout {
+    unsigned params;
+    unsigned smem[4];
+};
+#define SSD_LAYOUT(kernel, Params, smem64, smem128, smem192, smem256) \
+    __constant__ KernelLayout kernel##_layout = {sizeof(Params), {smem64, smem128, smem192, smem256}}
+#define SSD_LAYOUT_FIXED(kernel, Params, smem) SSD_LAYOUT(kernel, Params, smem, smem, smem, smem)
 
 // Loads an A fragment (16 x 8) from shared memory laid out row-major with `stride` floats:
 // A[row][col] = base[row * stride + col], rows [0, 16), cols [0, 8).
@@ -167,30 +160,6 @@ __device__ __forceinline__ void tile_and_unit(int units, int& tile, int& unit) {
     unit = (int)(blockIdx.x % (unsigned)units);
 }
 
-// Asynchronous global -> shared copies (sm_80+). `valid == false` zero-fills the destination
-// without reading (the source address is then replaced by `fallback`, a valid address).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned long long a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (unsigned)a;
-}
-__device__ __forceinline__ void cp_async16(float* dst, const float* src, bool valid, const float* fallback) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                 "l"(valid ? src : fallback), "r"(valid ? 16 : 0));
-}
-// The same, every byte valid.
-__device__ __forceinline__ void cp_async16_all(unsigned dst, const float* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid, const void* fallback) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)),
-                 "l"(valid ? src : fallback), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed groups are still pending; the completed
-// copies are then visible to this thread (to the others after a barrier).
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Whether a 64-column block of a row-major global matrix can be copied 16 bytes at a time.
 __device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int cols_valid) {
@@ -205,8 +174,8 @@ __device__ __forceinline__ bool vec16_ok(const float* src, i64 src_stride, int c
 // once per kernel).
 // A block with every row and column valid takes a short path: no predicates and no fallback
 // address, one base address per thread in each space, then constant steps of NT / 16 rows (the
-// general path spent about 20 integer instructions per 16-byte copy: a third of all the
-// instructions of the output and state kernels).
+// general path's address arithmetic dominates the integer work of the output and state
+// kernels).
 template <bool VEC, int NT = 128>
 __device__ __forceinline__ void async_block64_v(float* dst, int dst_stride, const float* __restrict__ src,
                                                 i64 src_stride, int rows_valid, int cols_valid, int tid) {
@@ -248,7 +217,7 @@ __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const 
 // (cols_valid a multiple of 4). 16-byte copies by NT threads; a fully valid block takes the
 // short path (one base address per thread, constant steps). Offsets from src are 32-bit
 // unsigned (the callers' ROWS x src_stride stay below 2^32 floats): 64-bit address arithmetic
-// had cost about 15 integer instructions per 16-byte copy.
+// costs several integer instructions per 16-byte copy.
 template <int ROWS, int COLS, int NT>
 __device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src,
                                            unsigned src_stride, int rows_valid, int cols_valid, int tid) {
@@ -273,23 +242,7 @@ __device__ __forceinline__ void async_rows(float* dst, int dst_stride, const flo
     }
 }
 
-// Four 8 x 4 matrices of 32-bit words from shared memory, one instruction (ldmatrix with b16
-// pairs read as one 32-bit word): lane l gives the address of row l % 8 of matrix l / 8, and
-// receives in r[m] word l % 4 of row l / 4 of matrix m, which is the TF32 fragment layout
-// (A: a0 = A[g][q]; B stored n-major: b0 = B[q][g]). Rows must be 16-byte aligned.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
 
-// 2^v (ex2.approx: relative error below 2^-22, far under TF32's 2^-11; 2^-inf = 0).
-__device__ __forceinline__ float ex2_approx(float v) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-    return r;
-}
 
 // Rounds to TF32, in place, the elements of a 64 x 64 shared block that this thread copied
 // with async_block64 (same arguments), after cp_async_wait: no barrier is needed before it.

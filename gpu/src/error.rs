@@ -23,9 +23,18 @@ pub enum GpuError {
     /// match the sizes; the message says which and why.
     #[error("unsupported shape: {0}")]
     Unsupported(String),
-    /// Any other CUDA driver error (a failed launch, a fault reported at synchronisation, ...).
+    /// Any other CUDA driver error (a fault reported at synchronisation, ...).
     #[error("CUDA driver error: {0}")]
     Driver(String),
+    /// The driver refused to launch a kernel, or reported an earlier asynchronous error there
+    /// (`pending`: before this launch was asked for).
+    #[error("CUDA driver error at the launch of {kernel}{}", if *.pending { " (pending from earlier)" } else { "" })]
+    Launch {
+        kernel: &'static str,
+        pending: bool,
+        #[source]
+        source: DriverError,
+    },
 }
 
 impl From<DriverError> for GpuError {

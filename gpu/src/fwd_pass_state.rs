@@ -1,12 +1,11 @@
 //! Stage 2 on the GPU: the state entering every chunk, and the final state.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use ssd_reference::Dims;
 
-use crate::runtime::{int, opt_ptr};
-use crate::shape::{
-    state_local_variant, StateLocal, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES,
-    CHUNK_STATE_LOCAL_SMEM_BYTES, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, TILE_N, TILE_P,
-};
+use crate::kernels::Kernel;
+use crate::params::{ChunkStateLocalParams, FwdPassStateParams, StatePassingParams, StateSizes};
+use crate::runtime::{int, Args};
+use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
 impl Gpu {
@@ -25,7 +24,8 @@ impl Gpu {
     /// By default in two launches for parallelism: every chunk's own product in parallel
     /// (`ssd_chunk_state_local`), then one thread per state element walking the chunks
     /// (`ssd_state_passing`, `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU reference); the
-    /// fused sequential kernel (`ssd_fwd_pass_state`) with `SSD_GPU_V1=1`.
+    /// fused sequential kernel (`ssd_fwd_pass_state`) in [`crate::Variant::V1`], and where 2a's
+    /// grid would overflow.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
@@ -39,44 +39,29 @@ impl Gpu {
         let o = inputs.options;
         let nchunks = d.nchunks(o.chunk_size);
         let tiles = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(TILE_N);
-        let stream = &self.stream;
-        let (init, _g1) = opt_ptr(inputs.initial_states.as_ref(), stream);
-        let (seq, _g2) = opt_ptr(inputs.seq_idx.as_ref(), stream);
-        let sizes = [
-            int(d.seqlen),
-            int(d.nheads),
-            int(d.headdim),
-            int(d.ngroups),
-            int(d.dstate),
-            int(o.chunk_size),
-            int(nchunks),
-        ];
+        let sizes = StateSizes {
+            seqlen: int(d.seqlen),
+            nheads: int(d.nheads),
+            headdim: int(d.headdim),
+            ngroups: int(d.ngroups),
+            dstate: int(d.dstate),
+            chunk_size: int(o.chunk_size),
+            nchunks: int(nchunks),
+        };
         // 2a's tiles: two units (head, 64 headdim rows) of a group per block and 128 dstate
         // columns where `state_local_variant` allows, one unit and 128 columns above dstate 64,
         // else 64 columns (4 warps).
-        let variant = state_local_variant(&d, self.pairs, self.max_smem_optin);
-        let pairs = variant == StateLocal::Pair;
-        let (split_tiles, threads, smem, state_local_fn) = match variant {
-            StateLocal::Pair => {
-                let t = d.dstate.div_ceil(2 * TILE_N);
-                let f = &self.chunk_state_local_pair_fn;
-                (t, 256, CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES, f)
+        let state_local = self.state_local_variant(&d);
+        let split_tiles = match state_local {
+            Kernel::ChunkStateLocalPair => d.dstate.div_ceil(2 * TILE_N),
+            Kernel::ChunkStateLocalWide => {
+                d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N)
             }
-            StateLocal::Wide => {
-                let t = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
-                let f = &self.chunk_state_local_wide_fn;
-                (t, 256, CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES, f)
-            }
-            StateLocal::Narrow => (
-                tiles,
-                128,
-                CHUNK_STATE_LOCAL_SMEM_BYTES,
-                &self.chunk_state_local_fn,
-            ),
+            _ => tiles,
         };
         // 2a's blocks over (chunk and tile, unit), the unit fastest (kernels' `tile_and_unit`):
         // x = (c * split_tiles + tile) * units + unit; the fused pass where that overflows i32.
-        let units = if pairs {
+        let units = if state_local == Kernel::ChunkStateLocalPair {
             d.nheads * d.headdim.div_ceil(TILE_P) / 2
         } else {
             d.nheads
@@ -87,92 +72,91 @@ impl Gpu {
             .filter(|&g| g <= i32::MAX as usize);
         if let (false, Some(gx)) = (self.legacy, split_grid) {
             // 2a: every chunk's own state, in parallel.
-            let cfg = LaunchConfig {
-                grid_dim: (gx as u32, 1, d.batch as u32),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem as u32,
+            let mut args = Args::new(&self.stream);
+            let params = ChunkStateLocalParams {
+                x: args.read(&inputs.x),
+                b: args.read(&inputs.B),
+                dt_out: args.read(&outputs.dt),
+                da_cumsum: args.read(&outputs.dA_cumsum),
+                seq_idx: args.opt(inputs.seq_idx.as_ref()),
+                chunk_states: args.write(&mut outputs.chunk_states),
+                sizes,
             };
-            let mut launch = stream.launch_builder(state_local_fn);
-            launch
-                .arg(&inputs.x)
-                .arg(&inputs.B)
-                .arg(&outputs.dt)
-                .arg(&outputs.dA_cumsum)
-                .arg(&seq)
-                .arg(&mut outputs.chunk_states);
-            for s in &sizes {
-                launch.arg(s);
-            }
-            // SAFETY: the argument list matches `ssd_chunk_state_local`,
-            // `ssd_chunk_state_local_wide` and `ssd_chunk_state_local_pair` in
-            // kernels/fwd_pass_state.cu; buffers checked against the sizes, grid checked above
-            // (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even count per group and
-            // 16-byte copies, checked by `state_pairs`); 74 KB of dynamic shared memory, or
-            // 106 KB and 105 KB (pairs), both checked against this device by
-            // `state_local_variant`, opted in at load.
-            unsafe { launch.launch(cfg) }?;
+            // SAFETY: `ChunkStateLocalParams` is the struct of the three 2a kernels
+            // (kernels/fwd_pass_state/local.cu, pair.cu); buffers checked against the sizes,
+            // grid checked above (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even
+            // count per group and 16-byte copies, checked by `state_pairs`); the dynamic shared
+            // memory checked against this device by `state_local_variant`.
+            unsafe {
+                self.launch(
+                    state_local,
+                    (gx as u32, 1, d.batch as u32),
+                    d.dstate,
+                    &params,
+                )
+            }?;
+            drop(args);
             // 2b: the sequential pass, one thread per state element.
             let n = d.headdim * d.dstate;
             // 4 elements per thread (16-byte loads) where the rows allow it.
             let vec4 = n.is_multiple_of(4);
-            let per_block = if vec4 { 1024 } else { 256 };
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    n.div_ceil(per_block) as u32,
-                    d.nheads as u32,
-                    d.batch as u32,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+            let per_block = Kernel::StatePassing.threads() as usize * if vec4 { 4 } else { 1 };
+            let grid = (
+                n.div_ceil(per_block) as u32,
+                d.nheads as u32,
+                d.batch as u32,
+            );
+            let mut args = Args::new(&self.stream);
+            let params = StatePassingParams {
+                da_cumsum: args.read(&outputs.dA_cumsum),
+                initial_states: args.opt(inputs.initial_states.as_ref()),
+                seq_idx: args.opt(inputs.seq_idx.as_ref()),
+                chunk_states: args.write(&mut outputs.chunk_states),
+                final_states: args.write(&mut outputs.final_states),
+                seqlen: int(d.seqlen),
+                nheads: int(d.nheads),
+                headdim: int(d.headdim),
+                dstate: int(d.dstate),
+                chunk_size: int(o.chunk_size),
+                nchunks: int(nchunks),
+                vec4: i32::from(vec4),
             };
-            let pass_sizes = [
-                int(d.seqlen),
-                int(d.nheads),
-                int(d.headdim),
-                int(d.dstate),
-                int(o.chunk_size),
-                int(nchunks),
-            ];
-            let mut launch = stream.launch_builder(&self.state_passing_fn);
-            launch
-                .arg(&outputs.dA_cumsum)
-                .arg(&init)
-                .arg(&seq)
-                .arg(&mut outputs.chunk_states)
-                .arg(&mut outputs.final_states);
-            for s in &pass_sizes {
-                launch.arg(s);
-            }
-            let vec4 = i32::from(vec4);
-            launch.arg(&vec4);
-            // SAFETY: the argument list matches `ssd_state_passing` in kernels/fwd_pass_state.cu;
-            // buffers checked against the sizes; grid x <= ceil(headdim * dstate / 256), small
-            // (every CudaSlice allocation is 256-byte aligned, so the 16-byte loads are too)
-            // since `shape::check` bounds headdim by 65535 * 64 and dstate by 256.
-            unsafe { launch.launch(cfg) }?;
+            // SAFETY: `StatePassingParams` is the struct of `ssd_state_passing`
+            // (kernels/fwd_pass_state/passing.cu); buffers checked against the sizes; grid x <=
+            // ceil(headdim * dstate / 256), small (every CudaSlice allocation is 256-byte
+            // aligned, so the 16-byte loads are too) since `shape::check` bounds headdim by
+            // 65535 * 64 and dstate by 256.
+            unsafe { self.launch(Kernel::StatePassing, grid, d.dstate, &params) }?;
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, d.nheads as u32, d.batch as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let mut args = Args::new(&self.stream);
+        let params = FwdPassStateParams {
+            x: args.read(&inputs.x),
+            b: args.read(&inputs.B),
+            dt_out: args.read(&outputs.dt),
+            da_cumsum: args.read(&outputs.dA_cumsum),
+            initial_states: args.opt(inputs.initial_states.as_ref()),
+            seq_idx: args.opt(inputs.seq_idx.as_ref()),
+            chunk_states: args.write(&mut outputs.chunk_states),
+            final_states: args.write(&mut outputs.final_states),
+            sizes,
         };
-        let mut launch = stream.launch_builder(&self.fwd_pass_state_fn);
-        launch
-            .arg(&inputs.x)
-            .arg(&inputs.B)
-            .arg(&outputs.dt)
-            .arg(&outputs.dA_cumsum)
-            .arg(&init)
-            .arg(&seq)
-            .arg(&mut outputs.chunk_states)
-            .arg(&mut outputs.final_states);
-        for s in &sizes {
-            launch.arg(s);
-        }
-        // SAFETY: the argument list matches `ssd_fwd_pass_state` in kernels/fwd_pass_state.cu,
-        // every buffer was checked against the sizes and the grid by `shape::check`.
-        unsafe { launch.launch(cfg) }?;
+        let grid = (tiles as u32, d.nheads as u32, d.batch as u32);
+        // SAFETY: `FwdPassStateParams` is the struct of `ssd_fwd_pass_state`
+        // (kernels/fwd_pass_state/fused.cu); every buffer was checked against the sizes and the
+        // grid by `shape::check`.
+        unsafe { self.launch(Kernel::FwdPassState, grid, d.dstate, &params) }?;
+        drop(args);
         Ok(())
+    }
+
+    /// Which 2a kernel serves `dims` on this device (see [`state_local_variant`]).
+    pub(crate) fn state_local_variant(&self, dims: &Dims) -> Kernel {
+        let wide_fits = self.fits(Kernel::ChunkStateLocalWide, dims.dstate);
+        match state_local_variant(dims, self.pairs, wide_fits) {
+            StateLocal::Pair => Kernel::ChunkStateLocalPair,
+            StateLocal::Wide => Kernel::ChunkStateLocalWide,
+            StateLocal::Narrow => Kernel::ChunkStateLocal,
+        }
     }
 }

@@ -8,7 +8,7 @@ use ndarray::{Array, Dimension};
 use ssd_reference::{ChunkedOutput, Problem};
 
 use crate::shape::seq_idx_to_i32;
-use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError};
 
 fn contiguous<D: Dimension>(a: &Array<f32, D>) -> Cow<'_, [f32]> {
     match a.as_slice() {
@@ -117,19 +117,29 @@ impl Gpu {
     }
 }
 
-/// The process-wide [`Gpu`] on device 0, opened on first use and kept. A failure is not
-/// cached: the next call tries again.
+/// The process-wide [`Gpu`] on device 0 with the default kernels, opened on first use and
+/// kept: [`gpu_for`] of [`GpuConfig::default`].
 ///
 /// # Errors
 /// As [`Gpu::new`].
 pub fn default_gpu() -> Result<Arc<Gpu>, GpuError> {
-    static GPU: Mutex<Option<Arc<Gpu>>> = Mutex::new(None);
-    let mut slot = GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(g) = slot.as_ref() {
+    gpu_for(GpuConfig::default())
+}
+
+/// The process-wide [`Gpu`] of `config`, opened on first use and kept (one per configuration,
+/// so that one process can run every [`crate::Variant`]). A failure is not cached: the next
+/// call tries again.
+///
+/// # Errors
+/// As [`Gpu::with_config`].
+pub fn gpu_for(config: GpuConfig) -> Result<Arc<Gpu>, GpuError> {
+    static GPUS: Mutex<Vec<Arc<Gpu>>> = Mutex::new(Vec::new());
+    let mut open = GPUS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(g) = open.iter().find(|g| g.config() == config) {
         return Ok(g.clone());
     }
-    let g = Arc::new(Gpu::new(0)?);
-    *slot = Some(g.clone());
+    let g = Arc::new(Gpu::with_config(config)?);
+    open.push(g.clone());
     Ok(g)
 }
 

@@ -1,6 +1,6 @@
 //! The CUDA sources and their NVRTC compilation, once per process and target.
 //!
-//! The kernels live in `gpu/kernels/*.cu` and are embedded in the binary; they are compiled to
+//! The kernels live in `gpu/kernels/` and are embedded in the binary; they are compiled to
 //! PTX by NVRTC the first time a device of a given target asks for them, and the PTX is cached
 //! for the rest of the process (module loading then happens once per [`crate::Gpu`]).
 
@@ -11,30 +11,174 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
 use crate::GpuError;
 
-/// The whole program NVRTC compiles: the shared helpers first, then one file per stage.
-pub const SOURCE: &str = concat!(
-    include_str!("../kernels/common.cuh"),
-    "\n",
-    include_str!("../kernels/chunk_cumsum.cu"),
-    "\n",
-    include_str!("../kernels/fwd_pass_state.cu"),
-    "\n",
-    include_str!("../kernels/compute_out.cu"),
+/// The program NVRTC compiles, file by file: the inline PTX, the shared helpers, then each
+/// stage's kernels (`gpu/emu/kernels.h` includes the same files in the same order, `ptx.cuh`
+/// replaced by the emulation; a unit test keeps the two lists equal).
+macro_rules! sources {
+    ($($file:literal),* $(,)?) => {
+        /// The whole program NVRTC compiles: [`SOURCE_FILES`] one after the other.
+        pub const SOURCE: &str = concat!($(include_str!(concat!("../kernels/", $file)), "\n"),*);
+        /// The files of [`SOURCE`], relative to `gpu/kernels/`, in order.
+        pub const SOURCE_FILES: &[&str] = &[$($file),*];
+    };
+}
+sources!(
+    "ptx.cuh",
+    "common.cuh",
+    "chunk_cumsum.cu",
+    "fwd_pass_state/tiles.cuh",
+    "fwd_pass_state/fused.cu",
+    "fwd_pass_state/local.cu",
+    "fwd_pass_state/pair.cu",
+    "fwd_pass_state/passing.cu",
+    "compute_out/tiles.cuh",
+    "compute_out/fused.cu",
+    "compute_out/scores.cu",
+    "compute_out/tiled.cu",
+    "compute_out/pair.cu",
 );
 
-/// Entry points of [`SOURCE`].
-pub(crate) const CHUNK_CUMSUM: &str = "ssd_chunk_cumsum";
-pub(crate) const CHUNK_CUMSUM_TILED: &str = "ssd_chunk_cumsum_tiled";
-pub(crate) const FWD_PASS_STATE: &str = "ssd_fwd_pass_state";
-pub(crate) const COMPUTE_OUT: &str = "ssd_compute_out";
-pub(crate) const CHUNK_STATE_LOCAL: &str = "ssd_chunk_state_local";
-pub(crate) const CHUNK_STATE_LOCAL_WIDE: &str = "ssd_chunk_state_local_wide";
-pub(crate) const CHUNK_STATE_LOCAL_PAIR: &str = "ssd_chunk_state_local_pair";
-pub(crate) const STATE_PASSING: &str = "ssd_state_passing";
-pub(crate) const CHUNK_CB: &str = "ssd_chunk_cb";
-pub(crate) const COMPUTE_OUT_CB: &str = "ssd_compute_out_cb";
-pub(crate) const COMPUTE_OUT_CB128: &str = "ssd_compute_out_cb128";
-pub(crate) const COMPUTE_OUT_PAIR: &str = "ssd_compute_out_pair";
+/// Every kernel of [`SOURCE`], once: its entry point, the threads of its blocks and its
+/// parameter struct (`gpu/src/params.rs`). Its dynamic shared memory comes from the loaded
+/// module (`K_layout`, see `gpu/kernels/common.cuh`): [`crate::Gpu::smem_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Stage 1, one thread per (batch, chunk, head).
+    ChunkCumsum,
+    /// Stage 1, one block per (batch, chunk, 32 heads).
+    ChunkCumsumTiled,
+    /// Stage 2a, 64 dstate columns per block.
+    ChunkStateLocal,
+    /// Stage 2a, 128 dstate columns per block.
+    ChunkStateLocalWide,
+    /// Stage 2a over pairs of units.
+    ChunkStateLocalPair,
+    /// Stage 2b, the pass across chunks.
+    StatePassing,
+    /// Stage 3a, the scores `C B^T`.
+    ChunkCb,
+    /// Stage 3b over 64 rows per block.
+    ComputeOutCb,
+    /// Stage 3b over 128 rows per block.
+    ComputeOutCb128,
+    /// Stage 3b over pairs of units.
+    ComputeOutPair,
+    /// Stage 2 in one kernel, sequential over the chunks (version 1; the fallback of 2a).
+    FwdPassState,
+    /// Stage 3 in one kernel that computes its own scores (version 1; other chunk sizes).
+    ComputeOut,
+}
+
+impl Kernel {
+    /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
+    /// (`k as usize` is `k`'s index here).
+    pub const ALL: [Kernel; 12] = [
+        Kernel::ChunkCumsum,
+        Kernel::ChunkCumsumTiled,
+        Kernel::ChunkStateLocal,
+        Kernel::ChunkStateLocalWide,
+        Kernel::ChunkStateLocalPair,
+        Kernel::StatePassing,
+        Kernel::ChunkCb,
+        Kernel::ComputeOutCb,
+        Kernel::ComputeOutCb128,
+        Kernel::ComputeOutPair,
+        Kernel::FwdPassState,
+        Kernel::ComputeOut,
+    ];
+
+    /// The entry point in [`SOURCE`].
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kernel::ChunkCumsum => "ssd_chunk_cumsum",
+            Kernel::ChunkCumsumTiled => "ssd_chunk_cumsum_tiled",
+            Kernel::FwdPassState => "ssd_fwd_pass_state",
+            Kernel::ChunkStateLocal => "ssd_chunk_state_local",
+            Kernel::ChunkStateLocalWide => "ssd_chunk_state_local_wide",
+            Kernel::ChunkStateLocalPair => "ssd_chunk_state_local_pair",
+            Kernel::StatePassing => "ssd_state_passing",
+            Kernel::ComputeOut => "ssd_compute_out",
+            Kernel::ChunkCb => "ssd_chunk_cb",
+            Kernel::ComputeOutCb => "ssd_compute_out_cb",
+            Kernel::ComputeOutCb128 => "ssd_compute_out_cb128",
+            Kernel::ComputeOutPair => "ssd_compute_out_pair",
+        }
+    }
+
+    /// Threads per block: the kernel's `__launch_bounds__`, and what every launch uses.
+    pub const fn threads(self) -> u32 {
+        match self {
+            Kernel::ChunkCumsum
+            | Kernel::FwdPassState
+            | Kernel::ChunkStateLocal
+            | Kernel::ComputeOut
+            | Kernel::ChunkCb
+            | Kernel::ComputeOutCb => 128,
+            Kernel::ChunkCumsumTiled
+            | Kernel::ChunkStateLocalWide
+            | Kernel::ChunkStateLocalPair
+            | Kernel::StatePassing
+            | Kernel::ComputeOutCb128
+            | Kernel::ComputeOutPair => 256,
+        }
+    }
+
+    /// Size of the kernel's parameter struct on the host side.
+    pub(crate) const fn params_bytes(self) -> usize {
+        use crate::params::*;
+        use std::mem::size_of;
+        match self {
+            Kernel::ChunkCumsum | Kernel::ChunkCumsumTiled => size_of::<ChunkCumsumParams>(),
+            Kernel::FwdPassState => size_of::<FwdPassStateParams>(),
+            Kernel::ChunkStateLocal | Kernel::ChunkStateLocalWide | Kernel::ChunkStateLocalPair => {
+                size_of::<ChunkStateLocalParams>()
+            }
+            Kernel::StatePassing => size_of::<StatePassingParams>(),
+            Kernel::ComputeOut => size_of::<ComputeOutParams>(),
+            Kernel::ChunkCb => size_of::<ChunkCbParams>(),
+            Kernel::ComputeOutCb | Kernel::ComputeOutCb128 | Kernel::ComputeOutPair => {
+                size_of::<ComputeOutCbParams>()
+            }
+        }
+    }
+
+    /// The name of the kernel's layout global in the module (`K_layout`).
+    pub(crate) fn layout_symbol(self) -> String {
+        format!("{}_layout", self.name())
+    }
+}
+
+/// What the loaded module says of one kernel (`struct KernelLayout` in
+/// `gpu/kernels/common.cuh`): the size of its parameter struct, and its dynamic shared memory
+/// in bytes for dstate up to 64, 128, 192 and 256.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KernelLayout {
+    pub params: u32,
+    pub smem: [u32; 4],
+}
+
+impl KernelLayout {
+    /// Bytes of the C struct.
+    pub(crate) const BYTES: usize = 20;
+
+    /// Reads the C struct's bytes (little-endian `u32`s, as on every CUDA host).
+    pub(crate) fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let word =
+            |i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+        Some(KernelLayout {
+            params: word(0),
+            smem: [word(1), word(2), word(3), word(4)],
+        })
+    }
+
+    /// Dynamic shared memory of a block for `dstate` (1 to 256), in bytes.
+    pub fn smem_bytes(&self, dstate: usize) -> usize {
+        self.smem[dstate.div_ceil(64).clamp(1, 4) - 1] as usize
+    }
+}
 
 /// The NVRTC target for a device of compute capability `major.minor`.
 ///
@@ -111,5 +255,69 @@ fn compile_error(target: &str, e: CompileError) -> GpuError {
     GpuError::Compile {
         arch: target.to_string(),
         log,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_emulator_includes_the_same_files_in_the_same_order() {
+        let list = include_str!("../emu/kernels.h");
+        let included: Vec<&str> = list
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \"../kernels/"))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        assert_eq!(
+            SOURCE_FILES[0], "ptx.cuh",
+            "emu.h stands in for the inline PTX"
+        );
+        assert_eq!(included, SOURCE_FILES[1..]);
+    }
+
+    #[test]
+    fn inline_ptx_lives_in_one_file() {
+        let ptx = include_str!("../kernels/ptx.cuh");
+        let rest = &SOURCE[ptx.len()..];
+        assert!(!rest.contains("asm(") && !rest.contains("asm volatile"));
+    }
+
+    #[test]
+    fn every_kernel_is_named_once_and_defines_its_layout() {
+        for k in Kernel::ALL {
+            let entry = format!(" {}(const ", k.name());
+            assert_eq!(SOURCE.matches(&entry).count(), 1, "{entry}");
+            let layout = format!("({}, ", k.name());
+            assert_eq!(
+                SOURCE.matches(&layout).count(),
+                1,
+                "{} has no SSD_LAYOUT",
+                k.name()
+            );
+            assert!(k.params_bytes() % 8 == 0);
+        }
+        for (i, k) in Kernel::ALL.into_iter().enumerate() {
+            assert_eq!(k as usize, i, "{}", k.name());
+        }
+        let mut names: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Kernel::ALL.len());
+    }
+
+    #[test]
+    fn layouts_read_back() {
+        let mut b = Vec::new();
+        for w in [80u32, 1, 2, 3, 4] {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        let l = KernelLayout::from_bytes(&b).unwrap();
+        assert_eq!(l.params, 80);
+        assert_eq!(
+            [1, 64, 65, 128, 129, 256].map(|d| l.smem_bytes(d)),
+            [1, 1, 2, 2, 3, 4]
+        );
     }
 }

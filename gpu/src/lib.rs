@@ -13,8 +13,8 @@
 //! By default the kernels are version 2, validated on the H200: stages 2 and 3 launch two
 //! kernels each (a parallel per-chunk state product and a per-element pass across chunks; the
 //! scores `C B^T` once per group, then a cp.async double-buffered output kernel).
-//! `SSD_GPU_V1=1` in the environment when a [`Gpu`] is opened selects version 1 (one kernel per
-//! stage), kept for comparison.
+//! [`Variant::V1`] (one kernel per stage) and [`Variant::V2Unpaired`] are kept for comparison:
+//! pass a [`GpuConfig`] to [`Gpu::with_config`]. Nothing in this crate reads the environment.
 //!
 //! Two ways in:
 //! - host side: [`forward`] (or [`Gpu::forward`]) takes a validated
@@ -25,7 +25,8 @@
 //!
 //! The crate builds without any CUDA installation; the driver (`libcuda`) and NVRTC
 //! (`libnvrtc`) are loaded at run time, and their absence is an error ([`GpuError::NoDriver`]),
-//! never a panic. The kernels (`gpu/kernels/*.cu`) are compiled by NVRTC once per process for
+//! never a panic. The kernels (`gpu/kernels/`, one parameter struct and one [`Kernel`] entry
+//! each) are compiled by NVRTC once per process for
 //! the device's target (`sm_90a` on Hopper, `compute_80` PTX on other devices of compute
 //! capability 8.0 or newer). Limits: [`MAX_DSTATE`], [`MAX_CHUNK_SIZE`]; any `headdim`,
 //! `seqlen`, `ngroups`. Results are bitwise reproducible (no atomics, fixed summation order).
@@ -37,10 +38,12 @@ mod error;
 mod fwd_pass_state;
 mod host;
 pub mod kernels;
+mod params;
 mod runtime;
 mod shape;
 
 pub use error::GpuError;
-pub use host::{default_gpu, forward};
-pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu};
+pub use host::{default_gpu, forward, gpu_for};
+pub use kernels::Kernel;
+pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, Variant};
 pub use shape::{check as check_shape, seq_idx_to_i32, Lengths, MAX_CHUNK_SIZE, MAX_DSTATE};

@@ -3,43 +3,89 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
+    result::DriverError,
     sys::{CUdevice_attribute, CUfunction_attribute},
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use ssd_reference::{Dims, Options};
 
 use crate::error::unsupported;
+use crate::kernels::{self, Kernel, KernelLayout};
 use crate::shape::{self, Lengths};
-use crate::{kernels, GpuError};
+use crate::GpuError;
 
-/// One CUDA device, a stream on it and the three SSD kernels, compiled and loaded.
+/// Which kernels serve each stage (`docs/gpu.md`). Every variant computes the same contract;
+/// version 2 is the default, the others are kept for comparison, and a test process can open
+/// one [`Gpu`] per variant to run them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Variant {
+    /// Version 2 with the kernels over pairs of units where they apply and fit the device.
+    #[default]
+    V2,
+    /// Version 2 without the kernels over pairs of units (`ssd_chunk_state_local_wide` and
+    /// `ssd_compute_out_cb128` everywhere).
+    V2Unpaired,
+    /// Version 1: one kernel per stage (the plain cumsum, the fused sequential state pass and
+    /// the output kernel that computes its own scores).
+    V1,
+}
+
+impl Variant {
+    /// Every variant, the default first.
+    pub const ALL: [Variant; 3] = [Variant::V2, Variant::V2Unpaired, Variant::V1];
+}
+
+/// How a [`Gpu`] is opened: passed to [`Gpu::with_config`]; nothing in this crate reads the
+/// environment ([`GpuConfig::from_env`] is there for programs that want to).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct GpuConfig {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Which kernels serve each stage.
+    pub variant: Variant,
+}
+
+impl GpuConfig {
+    /// Device 0 with `variant`.
+    pub fn variant(variant: Variant) -> Self {
+        GpuConfig {
+            ordinal: 0,
+            variant,
+        }
+    }
+
+    /// The configuration the command-line tools take from the environment: `SSD_GPU_V1=1`
+    /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`]; device 0.
+    pub fn from_env() -> Self {
+        let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x == v);
+        let variant = if on("SSD_GPU_V1", "1") {
+            Variant::V1
+        } else if on("SSD_GPU_PAIR", "0") {
+            Variant::V2Unpaired
+        } else {
+            Variant::V2
+        };
+        GpuConfig::variant(variant)
+    }
+}
+
+/// One CUDA device, a stream on it and the SSD kernels, compiled and loaded.
 ///
 /// Every operation is enqueued on [`Gpu::stream`]; results are ready once the stream is
 /// synchronised (the `download`/`forward` helpers do that).
 #[derive(Debug)]
 pub struct Gpu {
     pub(crate) stream: Arc<CudaStream>,
-    pub(crate) chunk_cumsum_fn: CudaFunction,
-    pub(crate) chunk_cumsum_tiled_fn: CudaFunction,
-    pub(crate) fwd_pass_state_fn: CudaFunction,
-    pub(crate) compute_out_fn: CudaFunction,
-    pub(crate) chunk_state_local_fn: CudaFunction,
-    pub(crate) chunk_state_local_wide_fn: CudaFunction,
-    pub(crate) state_passing_fn: CudaFunction,
-    pub(crate) chunk_cb_fn: CudaFunction,
-    pub(crate) compute_out_cb_fn: CudaFunction,
-    pub(crate) compute_out_cb128_fn: CudaFunction,
-    pub(crate) compute_out_pair_fn: CudaFunction,
-    pub(crate) chunk_state_local_pair_fn: CudaFunction,
-    /// Whether the kernels over pairs of units (2a and the output kernel) may be used: their
-    /// shared memory fits this device, and `SSD_GPU_PAIR=0` was not set at [`Gpu::new`] (that
-    /// keeps `ssd_chunk_state_local_wide` and `ssd_compute_out_cb128` everywhere, for
-    /// comparison).
+    /// The functions and layouts of [`Kernel::ALL`], in that order.
+    functions: Vec<CudaFunction>,
+    layouts: Vec<KernelLayout>,
+    /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
+    /// variant is [`Variant::V2`] and their shared memory fits this device.
     pub(crate) pairs: bool,
-    /// True when `SSD_GPU_V1=1` at [`Gpu::new`]: version 1 of the kernels (the fused sequential
-    /// state pass and the output kernel that computes its own scores), kept selectable for
-    /// comparison. Version 2, the default, was validated on the H200 like version 1.
+    /// True for [`Variant::V1`].
     pub(crate) legacy: bool,
+    config: GpuConfig,
     target: &'static str,
     name: String,
     /// Dynamic shared memory a block may opt in to on this device, in bytes.
@@ -53,28 +99,41 @@ pub fn driver_present() -> bool {
 }
 
 impl Gpu {
-    /// Opens device `ordinal`, compiles the kernels for it (once per process and target) and
-    /// loads them.
+    /// Opens device `ordinal` with the default kernels ([`Variant::V2`]): [`Gpu::with_config`].
+    ///
+    /// # Errors
+    /// As [`Gpu::with_config`].
+    pub fn new(ordinal: usize) -> Result<Self, GpuError> {
+        Self::with_config(GpuConfig {
+            ordinal,
+            ..GpuConfig::default()
+        })
+    }
+
+    /// Opens device `config.ordinal`, compiles the kernels for it (once per process and target)
+    /// and loads them, to run `config.variant`.
     ///
     /// # Errors
     /// [`GpuError::NoDriver`] when `libcuda` or `libnvrtc` cannot be loaded,
     /// [`GpuError::NoDevice`] when there is no such device or it is older than compute
-    /// capability 8.0, [`GpuError::Compile`] with NVRTC's log, [`GpuError::Driver`] otherwise.
-    pub fn new(ordinal: usize) -> Result<Self, GpuError> {
+    /// capability 8.0, [`GpuError::Compile`] with NVRTC's log, [`GpuError::Driver`] otherwise
+    /// (also when the module's layouts disagree with this crate's parameter structs).
+    pub fn with_config(config: GpuConfig) -> Result<Self, GpuError> {
         if !driver_present() {
             return Err(GpuError::NoDriver(
                 "the CUDA driver library (libcuda) cannot be loaded".into(),
             ));
         }
         // cudarc panics when a driver symbol is missing; turn that into an error too.
-        std::panic::catch_unwind(|| Self::open(ordinal)).unwrap_or_else(|_| {
+        std::panic::catch_unwind(|| Self::open(config)).unwrap_or_else(|_| {
             Err(GpuError::NoDriver(
                 "the CUDA driver library could not be used (missing symbol or failed initialisation)".into(),
             ))
         })
     }
 
-    fn open(ordinal: usize) -> Result<Self, GpuError> {
+    fn open(config: GpuConfig) -> Result<Self, GpuError> {
+        let ordinal = config.ordinal;
         cudarc::driver::result::init()
             .map_err(|e| GpuError::NoDevice(format!("cuInit failed: {e:?}")))?;
         let count = CudaContext::device_count()?;
@@ -91,63 +150,122 @@ impl Gpu {
         let target = kernels::target_for(major, minor)?;
         let ptx = kernels::ptx(target)?;
         let module = ctx.load_module(ptx)?;
-        let chunk_cumsum_fn = module.load_function(kernels::CHUNK_CUMSUM)?;
-        let chunk_cumsum_tiled_fn = module.load_function(kernels::CHUNK_CUMSUM_TILED)?;
-        let fwd_pass_state_fn = module.load_function(kernels::FWD_PASS_STATE)?;
-        let compute_out_fn = module.load_function(kernels::COMPUTE_OUT)?;
-        let chunk_state_local_fn = module.load_function(kernels::CHUNK_STATE_LOCAL)?;
-        let chunk_state_local_wide_fn = module.load_function(kernels::CHUNK_STATE_LOCAL_WIDE)?;
-        let state_passing_fn = module.load_function(kernels::STATE_PASSING)?;
-        let chunk_cb_fn = module.load_function(kernels::CHUNK_CB)?;
-        let compute_out_cb_fn = module.load_function(kernels::COMPUTE_OUT_CB)?;
-        let compute_out_cb128_fn = module.load_function(kernels::COMPUTE_OUT_CB128)?;
-        let compute_out_pair_fn = module.load_function(kernels::COMPUTE_OUT_PAIR)?;
-        let chunk_state_local_pair_fn = module.load_function(kernels::CHUNK_STATE_LOCAL_PAIR)?;
+        // The context's default stream: no cross-stream event bookkeeping on every launch.
+        let stream = ctx.default_stream();
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
-        for f in [
-            &compute_out_fn,
-            &chunk_cb_fn,
-            &compute_out_cb_fn,
-            &compute_out_cb128_fn,
-            &compute_out_pair_fn,
-            &chunk_state_local_pair_fn,
-            &chunk_state_local_fn,
-            &chunk_state_local_wide_fn,
-        ] {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                max_smem_optin as i32,
-            )?;
+        let mut functions = Vec::with_capacity(Kernel::ALL.len());
+        let mut layouts = Vec::with_capacity(Kernel::ALL.len());
+        for k in Kernel::ALL {
+            let f = module.load_function(k.name())?;
+            let symbol = module.get_global(&k.layout_symbol(), &stream)?;
+            let bytes = stream.clone_dtoh(&symbol)?;
+            stream.synchronize()?;
+            let layout = KernelLayout::from_bytes(&bytes)
+                .filter(|l| l.params as usize == k.params_bytes())
+                .ok_or_else(|| {
+                    GpuError::Driver(format!(
+                        "{}: the module's layout ({} bytes: {bytes:?}) does not match the {}-byte parameter struct of this crate",
+                        k.layout_symbol(),
+                        bytes.len(),
+                        k.params_bytes()
+                    ))
+                })?;
+            if layout.smem.iter().any(|&b| b > 0) {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_smem_optin as i32,
+                )?;
+            }
+            functions.push(f);
+            layouts.push(layout);
         }
-        let legacy = std::env::var("SSD_GPU_V1").is_ok_and(|v| v == "1");
-        let pairs = max_smem_optin
-            >= shape::COMPUTE_OUT_PAIR_SMEM_BYTES.max(shape::CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES)
-            && !std::env::var("SSD_GPU_PAIR").is_ok_and(|v| v == "0");
+        let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= max_smem_optin;
+        let legacy = config.variant == Variant::V1;
+        let pairs = config.variant == Variant::V2
+            && fits(Kernel::ComputeOutPair)
+            && fits(Kernel::ChunkStateLocalPair);
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        // The context's default stream: no cross-stream event bookkeeping on every launch.
-        let stream = ctx.default_stream();
         Ok(Gpu {
             stream,
-            chunk_cumsum_fn,
-            chunk_cumsum_tiled_fn,
-            fwd_pass_state_fn,
-            compute_out_fn,
-            chunk_state_local_fn,
-            chunk_state_local_wide_fn,
-            state_passing_fn,
-            chunk_cb_fn,
-            compute_out_cb_fn,
-            compute_out_cb128_fn,
-            compute_out_pair_fn,
-            chunk_state_local_pair_fn,
+            functions,
+            layouts,
             pairs,
             legacy,
+            config,
             target,
             name,
             max_smem_optin,
         })
+    }
+
+    /// The configuration this `Gpu` was opened with.
+    pub fn config(&self) -> GpuConfig {
+        self.config
+    }
+
+    /// The loaded function of `k`.
+    pub(crate) fn function(&self, k: Kernel) -> &CudaFunction {
+        &self.functions[k as usize]
+    }
+
+    /// What the loaded module says of `k`: its parameter size and dynamic shared memory.
+    pub fn layout(&self, k: Kernel) -> KernelLayout {
+        self.layouts[k as usize]
+    }
+
+    /// Dynamic shared memory of a block of `k` for `dstate`, in bytes, as the kernel source
+    /// lays it out.
+    pub fn smem_bytes(&self, k: Kernel, dstate: usize) -> usize {
+        self.layout(k).smem_bytes(dstate)
+    }
+
+    /// Whether a block of `k` at `dstate` fits this device's shared memory.
+    pub(crate) fn fits(&self, k: Kernel, dstate: usize) -> bool {
+        self.smem_bytes(k, dstate) <= self.max_smem_optin
+    }
+
+    /// Enqueues `k` over `grid` with its block size and its dynamic shared memory at `dstate`,
+    /// passing `params` by value as its one argument.
+    ///
+    /// # Safety
+    /// `params` must be `k`'s parameter struct, every address in it valid for what the kernel
+    /// reads and writes over `grid` (the kernel's documented coverage), and the shapes within
+    /// the kernel's limits.
+    pub(crate) unsafe fn launch<P: DeviceRepr>(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        dstate: usize,
+        params: &P,
+    ) -> Result<(), GpuError> {
+        if std::mem::size_of::<P>() != k.params_bytes() {
+            return Err(GpuError::Driver(format!(
+                "{}: launched with a parameter struct of the wrong size",
+                k.name()
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (k.threads(), 1, 1),
+            shared_mem_bytes: self.smem_bytes(k, dstate) as u32,
+        };
+        let failed = |pending: bool| {
+            move |source: DriverError| GpuError::Launch {
+                kernel: k.name(),
+                pending,
+                source,
+            }
+        };
+        self.stream.context().check_err().map_err(failed(true))?;
+        let mut launch = self.stream.launch_builder(self.function(k));
+        launch.arg(params);
+        // SAFETY: the caller's contract; the struct's size was checked against the kernel's
+        // (at load, against the module's layout), and the opt-in shared memory was raised at
+        // load for every kernel with dynamic shared memory.
+        unsafe { launch.launch(cfg) }.map_err(failed(false))?;
+        Ok(())
     }
 
     /// The stream every operation of this `Gpu` is enqueued on.
@@ -165,82 +283,25 @@ impl Gpu {
         &self.name
     }
 
-    /// Registers and local memory (spills) per thread of each kernel, and how many of its
-    /// blocks fit one SM at the block size and dynamic shared memory the host launches it
-    /// with (the largest, for the kernels whose shared memory grows with `dstate`: dstate 256):
+    /// Registers and local memory (spills) per thread of each kernel of [`Kernel::ALL`], and
+    /// how many of its blocks fit one SM at its block size and dynamic shared memory (the
+    /// largest, for the kernels whose shared memory grows with `dstate`: dstate 256):
     /// `(name, registers, local bytes, blocks per SM)`. For benchmarks and profiles.
     ///
     /// # Errors
     /// [`GpuError::Driver`] when the driver cannot answer.
     pub fn kernel_resources(&self) -> Result<Vec<(&'static str, i32, i32, u32)>, GpuError> {
-        let kernels = [
-            (kernels::CHUNK_CUMSUM, &self.chunk_cumsum_fn, 128, 0),
-            (
-                kernels::CHUNK_CUMSUM_TILED,
-                &self.chunk_cumsum_tiled_fn,
-                256,
-                0,
-            ),
-            (
-                kernels::CHUNK_STATE_LOCAL,
-                &self.chunk_state_local_fn,
-                128,
-                shape::CHUNK_STATE_LOCAL_SMEM_BYTES,
-            ),
-            (
-                kernels::CHUNK_STATE_LOCAL_WIDE,
-                &self.chunk_state_local_wide_fn,
-                256,
-                shape::CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
-            ),
-            (
-                kernels::CHUNK_STATE_LOCAL_PAIR,
-                &self.chunk_state_local_pair_fn,
-                256,
-                shape::CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES,
-            ),
-            (kernels::STATE_PASSING, &self.state_passing_fn, 256, 0),
-            (
-                kernels::CHUNK_CB,
-                &self.chunk_cb_fn,
-                128,
-                shape::CHUNK_CB_SMEM_BYTES,
-            ),
-            (
-                kernels::COMPUTE_OUT_CB,
-                &self.compute_out_cb_fn,
-                128,
-                shape::compute_out_cb_smem_bytes(64),
-            ),
-            (
-                kernels::COMPUTE_OUT_CB128,
-                &self.compute_out_cb128_fn,
-                256,
-                shape::compute_out_cb_smem_bytes(128),
-            ),
-            (
-                kernels::COMPUTE_OUT_PAIR,
-                &self.compute_out_pair_fn,
-                256,
-                shape::COMPUTE_OUT_PAIR_SMEM_BYTES,
-            ),
-            (kernels::FWD_PASS_STATE, &self.fwd_pass_state_fn, 128, 0),
-            (
-                kernels::COMPUTE_OUT,
-                &self.compute_out_fn,
-                128,
-                shape::compute_out_smem_bytes(256),
-            ),
-        ];
-        kernels
+        Kernel::ALL
             .into_iter()
-            .map(|(name, f, threads, smem)| {
+            .map(|k| {
+                let f = self.function(k);
+                let smem = self.smem_bytes(k, 256);
                 Ok((
-                    name,
+                    k.name(),
                     f.num_regs()?,
                     f.local_size_bytes()?,
                     if smem <= self.max_smem_optin {
-                        f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?
+                        f.occupancy_max_active_blocks_per_multiprocessor(k.threads(), smem, None)?
                     } else {
                         0 // never launched on this device
                     },
@@ -255,8 +316,7 @@ impl Gpu {
         if self.legacy {
             return (false, false);
         }
-        let state = shape::state_local_variant(dims, self.pairs, self.max_smem_optin)
-            == shape::StateLocal::Pair;
+        let state = self.state_local_variant(dims) == Kernel::ChunkStateLocalPair;
         // The output kernels that read the scores scratch run only where it is allocated.
         let out = self.pairs
             && shape::scores_len(dims, options).is_some()
@@ -275,7 +335,7 @@ impl Gpu {
     /// Checks the shape against the kernels and this device's shared memory.
     pub(crate) fn check(&self, dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
         let lengths = shape::check(dims, options)?;
-        let smem = shape::compute_out_smem_bytes(dims.dstate);
+        let smem = self.smem_bytes(Kernel::ComputeOut, dims.dstate);
         if smem > self.max_smem_optin {
             return Err(unsupported(format!(
                 "dstate {} needs {smem} bytes of shared memory per block; this device allows {}",
@@ -460,18 +520,39 @@ impl DeviceOutputs {
     }
 }
 
-/// Raw device address of an optional buffer (null when absent), for kernel arguments.
-/// The returned guard must live until the launch has been enqueued.
-pub(crate) fn opt_ptr<'a, T>(
-    s: Option<&'a CudaSlice<T>>,
+/// Raw device addresses of the buffers of one launch, for its parameter struct. Holds the
+/// buffers' guards (which record the launch's reads and writes on the stream) until it is
+/// dropped: keep it alive until the launch has been enqueued.
+pub(crate) struct Args<'a> {
     stream: &'a CudaStream,
-) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
-    match s {
-        Some(s) => {
-            let (p, guard) = s.device_ptr(stream);
-            (p, Some(guard))
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn new(stream: &'a CudaStream) -> Self {
+        Args {
+            stream,
+            guards: Vec::with_capacity(12),
         }
-        None => (0, None),
+    }
+
+    /// The address of a buffer the kernel reads.
+    pub(crate) fn read<T>(&mut self, s: &'a CudaSlice<T>) -> u64 {
+        let (p, guard) = s.device_ptr(self.stream);
+        self.guards.push(guard);
+        p
+    }
+
+    /// The address of an optional buffer the kernel reads, 0 (null) when absent.
+    pub(crate) fn opt<T>(&mut self, s: Option<&'a CudaSlice<T>>) -> u64 {
+        s.map_or(0, |s| self.read(s))
+    }
+
+    /// The address of a buffer the kernel writes.
+    pub(crate) fn write<T>(&mut self, s: &'a mut CudaSlice<T>) -> u64 {
+        let (p, guard) = s.device_ptr_mut(self.stream);
+        self.guards.push(guard);
+        p
     }
 }
 

@@ -5,10 +5,10 @@ use ssd_reference::{Dims, Options};
 use crate::error::unsupported;
 use crate::GpuError;
 
-/// Largest `dstate`: the output kernel keeps a 64-token tile of `C` and one of `B` (or of the
-/// carried state) in shared memory, `2 * 64 * (round_up(dstate, 64) + 4)` floats plus about
-/// 37 KB, which fits the 227 KB a Hopper block may take up to `dstate = 256` (Ampere's 163 KB:
-/// up to 192).
+/// Largest `dstate`: the output kernel that computes its own scores (`ssd_compute_out`) keeps
+/// a 64-token tile of `C` and one of `B` (or of the carried state) in shared memory,
+/// `2 * 64 * (round_up(dstate, 64) + 4)` floats plus about 37 KB, which fits the 227 KB a
+/// Hopper block may take up to `dstate = 256` (Ampere's 163 KB: up to 192).
 pub const MAX_DSTATE: usize = 256;
 
 /// Largest `chunk_size` (a power of two). The kernels themselves loop over any chunk; the
@@ -156,22 +156,12 @@ pub(crate) fn scores_len(dims: &Dims, options: &Options) -> Option<usize> {
     (n <= MAX_SCORES).then_some(n)
 }
 
-/// Dynamic shared memory of `ssd_chunk_cb` (two buffers of a 64 x 64 slab of `C` and one of
-/// `B`, at row stride 68), in bytes.
-pub(crate) const CHUNK_CB_SMEM_BYTES: usize = 2 * 2 * 64 * 68 * 4;
-
-/// Dynamic shared memory of `ssd_compute_out_cb` over `rows` (64 or 128) rows per block
-/// (layout in `kernels/compute_out.cu`), in bytes: two buffers of
-/// `rows * 68 + 64 * 72 + 3 * 64` floats, then `2 * rows`.
-pub(crate) const fn compute_out_cb_smem_bytes(rows: usize) -> usize {
-    (2 * (rows * 68 + 64 * 72 + 3 * 64) + 2 * rows) * 4
-}
 /// The output kernel's rows per block: 128 (`ssd_compute_out_cb128`, 256 threads) when a chunk
-/// holds two or more 64-row score tiles and the device allows its shared memory (`max_smem`
-/// bytes per block; 99 KB on compute capability 8.6 and 8.9), else 64 (`ssd_compute_out_cb`,
+/// holds two or more 64-row score tiles and the device allows its shared memory (`fits128`;
+/// not on compute capability 8.6 and 8.9, 99 KB per block), else 64 (`ssd_compute_out_cb`,
 /// 128 threads, 73 KB).
-pub(crate) fn compute_out_cb_rows(score_tiles: usize, max_smem: usize) -> usize {
-    if score_tiles >= 2 && compute_out_cb_smem_bytes(128) <= max_smem {
+pub(crate) fn compute_out_cb_rows(score_tiles: usize, fits128: bool) -> usize {
+    if score_tiles >= 2 && fits128 {
         128
     } else {
         64
@@ -190,12 +180,12 @@ pub(crate) enum StateLocal {
 }
 
 /// Which 2a serves `dims`: the pair kernel where `pairs` (the device's shared memory allows it
-/// and it was not turned off) and [`state_pairs`] hold, the wide one above dstate 64 where its
-/// 106 KB fit `max_smem`, else the narrow one.
-pub(crate) fn state_local_variant(dims: &Dims, pairs: bool, max_smem: usize) -> StateLocal {
+/// and the variant uses it) and [`state_pairs`] hold, the wide one above dstate 64 where its
+/// 106 KB fit the device (`wide_fits`), else the narrow one.
+pub(crate) fn state_local_variant(dims: &Dims, pairs: bool, wide_fits: bool) -> StateLocal {
     if pairs && state_pairs(dims) {
         StateLocal::Pair
-    } else if dims.dstate > TILE_N && CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES <= max_smem {
+    } else if dims.dstate > TILE_N && wide_fits {
         StateLocal::Wide
     } else {
         StateLocal::Narrow
@@ -218,10 +208,6 @@ fn units_pair_up(dims: &Dims) -> bool {
             .is_some_and(|v| v < 1usize << 32)
 }
 
-/// Dynamic shared memory of `ssd_compute_out_pair` (layout in `kernels/compute_out.cu`), in
-/// bytes: three stages of `2 * 128 * 36` floats, then `3 * 128`, then 96 bytes of base
-/// addresses.
-pub(crate) const COMPUTE_OUT_PAIR_SMEM_BYTES: usize = (3 * 2 * 128 * 36 + 3 * 128) * 4 + 96;
 /// Whether the output kernel over pairs of units (`ssd_compute_out_pair`: two 64-column units
 /// of one group per block, sharing its C slabs and scores) serves this shape: chunks of two or
 /// more 64-row score tiles, and what [`units_pair_up`] asks.
@@ -229,32 +215,10 @@ pub(crate) fn compute_out_pairs(dims: &Dims, score_tiles: usize) -> bool {
     score_tiles >= 2 && units_pair_up(dims)
 }
 
-/// Dynamic shared memory of `ssd_chunk_state_local` (layout in `kernels/fwd_pass_state.cu`), in
-/// bytes: two buffers of `64 * 72 + 64 * (64 + 8) + 3 * 64` floats, then 64 per warp (4 warps).
-pub(crate) const CHUNK_STATE_LOCAL_SMEM_BYTES: usize =
-    (2 * (64 * 72 + 64 * 72 + 3 * 64) + 4 * 64) * 4;
-/// The same for `ssd_chunk_state_local_wide` (128 dstate columns per block, 8 warps):
-/// two buffers of `64 * 72 + 64 * (128 + 8) + 3 * 64` floats, then 64 per warp.
-pub(crate) const CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES: usize =
-    (2 * (64 * 72 + 64 * 136 + 3 * 64) + 8 * 64) * 4;
-
-/// The same for `ssd_chunk_state_local_pair` (two units per block, 128 dstate columns, 8 warps):
-/// three stages of `2 * 32 * 136 + 160` floats, then 32 per warp, then 64 bytes of base
-/// addresses.
-pub(crate) const CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES: usize =
-    (3 * (2 * 32 * 136 + 160) + 8 * 32) * 4 + 64;
 /// Whether 2a over pairs of units (`ssd_chunk_state_local_pair`) serves this shape: dstate
 /// above 64 (its blocks span 128 dstate columns), and what [`units_pair_up`] asks.
 pub(crate) fn state_pairs(dims: &Dims) -> bool {
     dims.dstate > TILE_N && units_pair_up(dims)
-}
-
-/// Dynamic shared memory of the output kernel, in bytes, for `dstate`
-/// (layout in `kernels/compute_out.cu`).
-pub(crate) fn compute_out_smem_bytes(dstate: usize) -> usize {
-    let ns = dstate.div_ceil(64) * 64 + 4;
-    let floats = 2 * TILE_M * ns + TILE_M * 72 + 4 * 16 * 68 + 5 * TILE_M;
-    floats * 4
 }
 
 /// `seq_idx` as the kernels take it: `i32`, per row, equal where the input is equal and 0
@@ -302,33 +266,28 @@ mod tests {
     }
 
     #[test]
-    fn kernel_variants_fit_the_device_shared_memory() {
-        let hopper = 227 * 1024;
-        let ampere = 163 * 1024;
-        let ada = 99 * 1024;
+    fn kernel_variants_follow_the_shapes_and_the_device() {
+        // What fits which device is asserted in the kernel source, next to each layout.
         let mamba = Dims::new(2, 4096, 8, 64, 1, 128);
-        assert_eq!(state_local_variant(&mamba, true, hopper), StateLocal::Pair);
-        assert_eq!(state_local_variant(&mamba, false, hopper), StateLocal::Wide);
-        assert_eq!(state_local_variant(&mamba, false, ampere), StateLocal::Wide);
-        assert_eq!(state_local_variant(&mamba, false, ada), StateLocal::Narrow);
+        assert_eq!(state_local_variant(&mamba, true, true), StateLocal::Pair);
+        assert_eq!(state_local_variant(&mamba, false, true), StateLocal::Wide);
+        assert_eq!(
+            state_local_variant(&mamba, false, false),
+            StateLocal::Narrow
+        );
         let odd_heads = Dims::new(2, 4096, 3, 64, 1, 128);
         assert_eq!(
-            state_local_variant(&odd_heads, true, hopper),
+            state_local_variant(&odd_heads, true, true),
             StateLocal::Wide
         );
         let small_state = Dims::new(2, 4096, 8, 64, 1, 64);
         assert_eq!(
-            state_local_variant(&small_state, true, hopper),
+            state_local_variant(&small_state, true, true),
             StateLocal::Narrow
         );
-        assert_eq!(compute_out_cb_rows(4, hopper), 128);
-        assert_eq!(compute_out_cb_rows(4, ada), 64);
-        assert_eq!(compute_out_cb_rows(1, hopper), 64);
-        // What each variant asks for fits the device it is chosen for.
-        assert!(CHUNK_STATE_LOCAL_SMEM_BYTES <= ada && compute_out_cb_smem_bytes(64) <= ada);
-        assert!(CHUNK_CB_SMEM_BYTES <= ada);
-        // The pair kernels (checked together at load) fit an A100 as well.
-        assert!(COMPUTE_OUT_PAIR_SMEM_BYTES.max(CHUNK_STATE_LOCAL_PAIR_SMEM_BYTES) <= ampere);
+        assert_eq!(compute_out_cb_rows(4, true), 128);
+        assert_eq!(compute_out_cb_rows(4, false), 64);
+        assert_eq!(compute_out_cb_rows(1, true), 64);
     }
 
     #[test]
@@ -392,32 +351,5 @@ mod tests {
         let got = seq_idx_to_i32(&s, 5);
         assert_eq!(got, vec![0, 0, 1, 1, 2, 1, 1, 2, 3, 3]);
         assert_eq!(seq_idx_to_i32(&[3, 3, 3], 3), vec![1, 1, 1]);
-    }
-
-    #[test]
-    fn version_2_smem_fits_three_blocks_per_hopper_sm_and_an_a100() {
-        // 228 KB per SM on Hopper, 1 KB of it reserved per block; 163 KB per block on an A100.
-        for bytes in [
-            compute_out_cb_smem_bytes(64),
-            CHUNK_STATE_LOCAL_SMEM_BYTES,
-            CHUNK_CB_SMEM_BYTES,
-        ] {
-            assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
-            assert!(bytes <= 163 * 1024, "{bytes}");
-        }
-        // the wide state kernel and the 128-row output kernel: 2 blocks of 256 threads per
-        // Hopper SM
-        for bytes in [
-            CHUNK_STATE_LOCAL_WIDE_SMEM_BYTES,
-            compute_out_cb_smem_bytes(128),
-        ] {
-            assert!(2 * (bytes + 1024) <= 228 * 1024, "{bytes}");
-            assert!(bytes <= 163 * 1024, "{bytes}");
-        }
-    }
-
-    #[test]
-    fn smem_fits_hopper_at_the_limit() {
-        assert!(compute_out_smem_bytes(MAX_DSTATE) <= 227 * 1024);
     }
 }

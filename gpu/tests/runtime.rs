@@ -1,7 +1,7 @@
 //! What works without a GPU: clean errors instead of panics, and NVRTC compiling the kernels
 //! (where the NVRTC library is installed).
 
-use ssd_gpu::{kernels, Gpu, GpuError};
+use ssd_gpu::{kernels, Gpu, GpuConfig, GpuError, Kernel, Variant};
 use ssd_reference::random::{random_problem, ProblemSpec};
 use ssd_reference::Dims;
 
@@ -45,6 +45,44 @@ fn missing_driver_or_device_is_an_error_not_a_panic() {
             say_out_loud(&format!("skipped: no CUDA device ({e1})"));
         }
         (a, b) => panic!("Gpu::new and forward disagree: {a:?} / {b:?}"),
+    }
+}
+
+#[test]
+fn every_variant_opens_and_agrees_with_the_default() {
+    let spec = ProblemSpec::full(
+        Dims {
+            batch: 1,
+            seqlen: 300,
+            nheads: 4,
+            headdim: 64,
+            ngroups: 2,
+            dstate: 128,
+        },
+        128,
+    );
+    let p: ssd_reference::Problem<f32> = random_problem(&spec, 5).expect("valid spec").cast();
+    for variant in Variant::ALL {
+        match Gpu::with_config(GpuConfig::variant(variant)) {
+            Ok(gpu) => {
+                assert_eq!(gpu.config().variant, variant);
+                // Every kernel's layout was read from the module; the sizes of the parameter
+                // structs were checked against it when the module was loaded.
+                for k in Kernel::ALL {
+                    assert!(gpu.layout(k).params > 0, "{}", k.name());
+                }
+                let out = gpu.forward(&p).expect("forward");
+                assert_eq!(out.out.shape(), &[1, 300, 4, 64]);
+                assert!(out.out.iter().all(|v| v.is_finite()), "{variant:?}");
+            }
+            Err(e) => {
+                assert!(
+                    matches!(e, GpuError::NoDriver(_) | GpuError::NoDevice(_)),
+                    "{variant:?}: {e}"
+                );
+                assert!(!require_gpu(), "SSD_REQUIRE_GPU=1 but {e}");
+            }
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The GPU kernels on every committed fixture case: `out`, `final_states`, `dA_cumsum` and
+//! The GPU kernels, under every kernel variant, on every committed fixture case: `out`, `final_states`, `dA_cumsum` and
 //! `chunk_states` against the case's expected tensors (or the float64 reference where the
 //! case carries none), within the TF32 bound.
 //!
@@ -46,7 +46,7 @@ fn manifests(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn gpu_passes_every_fixture() {
-    let Some(gpu) = gpu_or_skip("gpu_passes_every_fixture") else {
+    let Some(gpus) = gpus_or_skip("gpu_passes_every_fixture") else {
         return;
     };
     let Some(dir) = fixtures_dir() else {
@@ -56,46 +56,49 @@ fn gpu_passes_every_fixture() {
     let cases = manifests(&dir);
     println!("fixtures: {} cases under {}", cases.len(), dir.display());
     let mut failures = Vec::new();
-    let mut worst = [0.0f64; 4];
-    for path in &cases {
-        let loaded = ssd_verify::fixture::read_case(path)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let case = loaded.case;
-        let (p32, _) = as_f32_problem(&case.problem);
-        let got = match gpu.forward(&p32) {
-            Ok(o) => o,
-            Err(ssd_gpu::GpuError::Unsupported(m)) => {
-                println!("{}: refused as unsupported ({m})", path.display());
-                continue;
+    for (variant, gpu) in &gpus {
+        let label = variant_label("fixtures", *variant);
+        let mut worst = [0.0f64; 4];
+        for path in &cases {
+            let loaded = ssd_verify::fixture::read_case(path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let case = loaded.case;
+            let (p32, _) = as_f32_problem(&case.problem);
+            let got = match gpu.forward(&p32) {
+                Ok(o) => o,
+                Err(ssd_gpu::GpuError::Unsupported(m)) => {
+                    println!("{label}: {}: refused as unsupported ({m})", path.display());
+                    continue;
+                }
+                Err(e) => panic!("{label}: {}: {e}", path.display()),
+            };
+            // The case's own expected tensors where it carries them, the float64 reference else.
+            let v = check_tf32(&got, &Oracle::with_expected(&case.problem, &case.expected));
+            for (k, name) in [
+                OutputName::Out,
+                OutputName::FinalStates,
+                OutputName::DACumsum,
+                OutputName::ChunkStates,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                worst[k] = worst[k].max(v.tensor(name).map_or(0.0, |t| t.max_ratio()));
             }
-            Err(e) => panic!("{}: {e}", path.display()),
-        };
-        // The case's own expected tensors where it carries them, the float64 reference else.
-        let v = check_tf32(&got, &Oracle::with_expected(&case.problem, &case.expected));
-        for (k, name) in [
-            OutputName::Out,
-            OutputName::FinalStates,
-            OutputName::DACumsum,
-            OutputName::ChunkStates,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            worst[k] = worst[k].max(v.tensor(name).map_or(0.0, |t| t.max_ratio()));
+            let bad = v.failures();
+            if !bad.is_empty() {
+                failures.push(format!("{label}: {}: {}", path.display(), bad.join("; ")));
+            }
         }
-        let bad = v.failures();
-        if !bad.is_empty() {
-            failures.push(format!("{}: {}", path.display(), bad.join("; ")));
-        }
+        println!(
+            "{label}: {} cases, worst error/bound out {:.3} final_states {:.3} dA_cumsum {:.3} chunk_states {:.3}, failing {}",
+            cases.len(),
+            worst[0],
+            worst[1],
+            worst[2],
+            worst[3],
+            failures.len()
+        );
     }
-    println!(
-        "fixtures: {} cases, worst error/bound out {:.3} final_states {:.3} dA_cumsum {:.3} chunk_states {:.3}, failing {}",
-        cases.len(),
-        worst[0],
-        worst[1],
-        worst[2],
-        worst[3],
-        failures.len()
-    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

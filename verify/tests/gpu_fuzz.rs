@@ -3,57 +3,90 @@
 //!
 //! Without a GPU these tests print "skipped: no CUDA device" and pass; `SSD_REQUIRE_GPU=1`
 //! makes that a failure. `SSD_GPU_CASES` sets the number of fuzz cases (default 2000),
-//! `SSD_GPU_SEED` the first seed.
+//! `SSD_GPU_SEED` the first seed. Every case runs under every kernel variant
+//! (`ssd_gpu::Variant::ALL`), each summarised on its own lines.
 
 mod gpu_support;
 
+use std::sync::Arc;
+
 use gpu_support::*;
 use rayon::prelude::*;
+use ssd_gpu::{Gpu, Variant};
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{Dims, Options};
 
-/// Runs `specs` (seeded) on the GPU and checks them against the float64 reference under the
-/// TF32 error model; returns the verdicts and the failures as text.
-fn run_cases(gpu: &ssd_gpu::Gpu, specs: &[(ProblemSpec, u64)]) -> (Vec<Verdict>, Vec<String>) {
-    let mut verdicts = Vec::with_capacity(specs.len());
-    let mut failures = Vec::new();
+/// What one kernel variant gave on a list of cases.
+struct Run {
+    variant: Variant,
+    verdicts: Vec<Verdict>,
+    failures: Vec<String>,
+}
+
+/// Runs `specs` (seeded) on the GPU under every variant of `gpus` and checks each against the
+/// float64 reference under the TF32 error model (one generator of cases, every variant).
+fn run_cases(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)]) -> Vec<Run> {
+    let mut runs: Vec<Run> = gpus
+        .iter()
+        .map(|(variant, _)| Run {
+            variant: *variant,
+            verdicts: Vec::with_capacity(specs.len()),
+            failures: Vec::new(),
+        })
+        .collect();
     for batch in specs.chunks(32) {
         let problems: Vec<_> = batch
             .par_iter()
             .map(|(spec, seed)| as_f32_problem(&random_problem(spec, *seed).expect("valid spec")))
             .collect();
-        let outs: Vec<_> = problems
-            .iter()
-            .zip(batch)
-            .map(|((p32, _), (spec, seed))| {
-                gpu.forward(p32)
-                    .unwrap_or_else(|e| panic!("GPU failed on {}: {e}", describe(spec, *seed)))
-            })
-            .collect();
-        let checked: Vec<Verdict> = problems
+        let oracles: Vec<Oracle> = problems
             .par_iter()
-            .zip(outs.par_iter())
-            .map(|((_, p64), o)| check_tf32(o, &Oracle::new(p64)))
+            .map(|(_, p64)| Oracle::new(p64))
             .collect();
-        for (v, (spec, seed)) in checked.into_iter().zip(batch) {
-            if !v.passed() {
-                failures.push(format!(
-                    "{}\n    {}",
-                    describe(spec, *seed),
-                    v.failures().join("\n    ")
-                ));
+        for ((variant, gpu), run) in gpus.iter().zip(runs.iter_mut()) {
+            let outs: Vec<_> = problems
+                .iter()
+                .zip(batch)
+                .map(|((p32, _), (spec, seed))| {
+                    gpu.forward(p32).unwrap_or_else(|e| {
+                        panic!("GPU ({variant:?}) failed on {}: {e}", describe(spec, *seed))
+                    })
+                })
+                .collect();
+            let checked: Vec<Verdict> = oracles
+                .par_iter()
+                .zip(outs.par_iter())
+                .map(|(oracle, o)| check_tf32(o, oracle))
+                .collect();
+            for (v, (spec, seed)) in checked.into_iter().zip(batch) {
+                if !v.passed() {
+                    run.failures.push(format!(
+                        "{variant:?} {}\n    {}",
+                        describe(spec, *seed),
+                        v.failures().join("\n    ")
+                    ));
+                }
+                run.verdicts.push(v);
             }
-            verdicts.push(v);
         }
     }
-    (verdicts, failures)
+    runs
+}
+
+/// Prints each variant's summary and fails with the first 20 failures when there are any.
+fn report(label: &str, runs: &[Run], cases: usize) {
+    for run in runs {
+        summarise(&variant_label(label, run.variant), &run.verdicts);
+    }
+    let failures: Vec<String> = runs.iter().flat_map(|r| r.failures.clone()).collect();
+    assert_none_failed(&failures, cases);
 }
 
 /// Fails with the first 20 failures when there are any.
 fn assert_none_failed(failures: &[String], cases: usize) {
     assert!(
         failures.is_empty(),
-        "{} of {} cases exceed the bound:\n{}",
+        "{} of {} cases (times each variant) exceed the bound:\n{}",
         failures.len(),
         cases,
         failures[..failures.len().min(20)].join("\n")
@@ -62,7 +95,7 @@ fn assert_none_failed(failures: &[String], cases: usize) {
 
 #[test]
 fn gpu_fuzz_matches_float64_reference() {
-    let Some(gpu) = gpu_or_skip("gpu_fuzz_matches_float64_reference") else {
+    let Some(gpus) = gpus_or_skip("gpu_fuzz_matches_float64_reference") else {
         return;
     };
     let cases = env_usize("SSD_GPU_CASES", 2000);
@@ -71,8 +104,7 @@ fn gpu_fuzz_matches_float64_reference() {
     let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
         .map(|k| (random_spec(&mut rng, 4_000_000), first + k))
         .collect();
-    let (verdicts, failures) = run_cases(&gpu, &specs);
-    summarise("fuzz", &verdicts);
+    let runs = run_cases(&gpus, &specs);
     let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
     println!(
         "fuzz coverage: seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {} | chunk>=256 {} | dstate>128 {} | headdim%64!=0 {}",
@@ -90,14 +122,15 @@ fn gpu_fuzz_matches_float64_reference() {
         count(&|s| s.dims.dstate > 128),
         count(&|s| s.dims.headdim % 64 != 0),
     );
-    assert_none_failed(&failures, specs.len());
+    report("fuzz", &runs, specs.len());
 }
 
 #[test]
 fn gpu_fuzz_pair_kernel_shapes() {
-    let Some(gpu) = gpu_or_skip("gpu_fuzz_pair_kernel_shapes") else {
+    let Some(gpus) = gpus_or_skip("gpu_fuzz_pair_kernel_shapes") else {
         return;
     };
+    let gpu = &gpus[0].1;
     let cases = env_usize("SSD_GPU_PAIR_CASES", 400);
     let first = env_usize("SSD_GPU_SEED", 1) as u64;
     let mut rng = Rng::new(0x9A1_0000 + first);
@@ -122,9 +155,7 @@ fn gpu_fuzz_pair_kernel_shapes() {
     // Every drawn shape is one the pair output kernel serves: a generator that drifted would
     // leave this test checking the other kernels.
     assert_eq!(out_pairs, specs.len(), "shapes off the pair output kernel");
-    let (verdicts, failures) = run_cases(&gpu, &specs);
-    summarise("pair kernel shapes", &verdicts);
-    assert_none_failed(&failures, specs.len());
+    report("pair kernel shapes", &run_cases(&gpus, &specs), specs.len());
 }
 
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
@@ -149,18 +180,16 @@ pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
 
 #[test]
 fn gpu_sanitizer_shapes() {
-    let Some(gpu) = gpu_or_skip("gpu_sanitizer_shapes") else {
+    let Some(gpus) = gpus_or_skip("gpu_sanitizer_shapes") else {
         return;
     };
     let specs = sanitizer_specs();
-    let (verdicts, failures) = run_cases(&gpu, &specs);
-    summarise("sanitizer shapes", &verdicts);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    report("sanitizer shapes", &run_cases(&gpus, &specs), specs.len());
 }
 
 #[test]
 fn gpu_is_bitwise_reproducible() {
-    let Some(gpu) = gpu_or_skip("gpu_is_bitwise_reproducible") else {
+    let Some(gpus) = gpus_or_skip("gpu_is_bitwise_reproducible") else {
         return;
     };
     let mut rng = Rng::new(77);
@@ -178,25 +207,28 @@ fn gpu_is_bitwise_reproducible() {
     ));
     for (k, spec) in specs.iter().enumerate() {
         let (p32, _) = as_f32_problem(&random_problem(spec, 500 + k as u64).expect("valid spec"));
-        let first = bits(&gpu.forward(&p32).expect("GPU forward"));
-        for _ in 0..3 {
-            let again = bits(&gpu.forward(&p32).expect("GPU forward"));
-            assert!(
-                first == again,
-                "run-to-run difference on {}",
-                describe(spec, 500 + k as u64)
-            );
+        for (variant, gpu) in &gpus {
+            let first = bits(&gpu.forward(&p32).expect("GPU forward"));
+            for _ in 0..3 {
+                let again = bits(&gpu.forward(&p32).expect("GPU forward"));
+                assert!(
+                    first == again,
+                    "run-to-run difference ({variant:?}) on {}",
+                    describe(spec, 500 + k as u64)
+                );
+            }
         }
     }
     println!(
-        "reproducible: {} problems, 4 runs each, bitwise identical",
-        specs.len()
+        "reproducible: {} problems, 4 runs each under each of {} variants, bitwise identical",
+        specs.len(),
+        gpus.len()
     );
 }
 
 #[test]
 fn gpu_refuses_unsupported_shapes_cleanly() {
-    let Some(gpu) = gpu_or_skip("gpu_refuses_unsupported_shapes_cleanly") else {
+    let Some(gpus) = gpus_or_skip("gpu_refuses_unsupported_shapes_cleanly") else {
         return;
     };
     let mut spec = ProblemSpec::plain(Dims {
@@ -212,9 +244,11 @@ fn gpu_refuses_unsupported_shapes_cleanly() {
         ..Options::default()
     };
     let (p32, _) = as_f32_problem(&random_problem(&spec, 1).expect("valid spec"));
-    let err = gpu
-        .forward(&p32)
-        .expect_err("dstate above the limit must be refused");
-    assert!(matches!(err, ssd_gpu::GpuError::Unsupported(_)), "{err}");
-    assert!(err.to_string().contains("dstate"), "{err}");
+    for (_, gpu) in &gpus {
+        let err = gpu
+            .forward(&p32)
+            .expect_err("dstate above the limit must be refused");
+        assert!(matches!(err, ssd_gpu::GpuError::Unsupported(_)), "{err}");
+        assert!(err.to_string().contains("dstate"), "{err}");
+    }
 }

@@ -1,5 +1,5 @@
-//! Shared by the GPU tests (`verify/tests/gpu_*.rs`): getting the device or skipping, random
-//! problem specs, and the comparison against the float64 reference under the TF32 error
+//! Shared by the GPU tests (`verify/tests/gpu_*.rs`): getting the device (one per kernel
+//! variant) or skipping, random problem specs, and the comparison against the float64 reference under the TF32 error
 //! model (`ssd_verify::tolerance`, `docs/tolerances.md`).
 //!
 //! Without a usable GPU every GPU test prints "skipped: no CUDA device" (or driver) and passes;
@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use ssd_gpu::{Gpu, GpuError};
+use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
 use ssd_reference::random::{DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{Dims, Options, Problem};
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
@@ -30,6 +30,34 @@ pub fn gpu_or_skip(test: &str) -> Option<Arc<Gpu>> {
             None
         }
         Err(e) => panic!("{test}: the GPU could not be set up: {e}"),
+    }
+}
+
+/// One device per kernel variant ([`Variant::ALL`], the default first), so that a test runs
+/// every variant in one process; `None` after printing why the test is skipped (as
+/// [`gpu_or_skip`]).
+///
+/// # Panics
+/// As [`gpu_or_skip`].
+pub fn gpus_or_skip(test: &str) -> Option<Vec<(Variant, Arc<Gpu>)>> {
+    gpu_or_skip(test)?;
+    Some(
+        Variant::ALL
+            .into_iter()
+            .map(|v| match ssd_gpu::gpu_for(GpuConfig::variant(v)) {
+                Ok(g) => (v, g),
+                Err(e) => panic!("{test}: the GPU could not be set up for {v:?}: {e}"),
+            })
+            .collect(),
+    )
+}
+
+/// A summary label for `variant`: `label` for the default, `label [variant]` for the others.
+pub fn variant_label(label: &str, variant: Variant) -> String {
+    if variant == Variant::default() {
+        label.to_string()
+    } else {
+        format!("{label} [{variant:?}]")
     }
 }
 

@@ -1,0 +1,155 @@
+// Stage 2: the state entering every chunk, and the final state; the fused sequential kernel
+// (version 1's stage 2, and version 2's where 2a's grid would overflow, see docs/gpu.md).
+//
+// One block of 128 threads (4 warps) per (batch b, head h, tile of 64 headdim rows p x 64 dstate
+// columns n); it walks the chunks in order and keeps the running state S[p, n] of its tile in
+// the tensor-core accumulators. For chunk c, with `last` its last real token (seqlen may end
+// inside it), cs = dA_cumsum[b, h, c, :], dt' = dt_out[b, h, c, :]:
+//   chunk_states[b, c, h, p, n] = S                     (the state entering chunk c)
+//   S <- scale * S + sum_{l <= last, seq(l) == seq(last)} x[l, p] * w[l] * B[l, n]
+//   w[l]  = exp(cs[last] - cs[l]) * dt'[l]
+//   scale = exp(cs[last]) if seq(last) == seq(token before the chunk) else 0
+// where seq(token before chunk 0) = 0 (initial_states seed only a leading run with seq_idx 0)
+// and seq(.) = 0 everywhere without seq_idx. The sum is one TF32 matrix product per chunk:
+// (x^T)[p, l] times (w B)[l, n], operands rounded to TF32, accumulated in f32 onto scale * S.
+// After the last chunk, final_states[b, h, p, n] = S.
+
+__device__ __forceinline__ void fwd_pass_state_body(
+    const float* __restrict__ x,               // [batch, seqlen, nheads, headdim]
+    const float* __restrict__ Bm,              // [batch, seqlen, ngroups, dstate]
+    const float* __restrict__ dt_out,          // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ dA_cumsum,       // [batch, nheads, nchunks, chunk_size]
+    const float* __restrict__ initial_states,  // [batch, nheads, headdim, dstate] or null
+    const int* __restrict__ seq_idx,           // [batch, seqlen] or null
+    float* __restrict__ chunk_states,          // [batch, nchunks, nheads, headdim, dstate]
+    float* __restrict__ final_states,          // [batch, nheads, headdim, dstate]
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
+{
+    __shared__ __align__(16) float xs[ST_TK * ST_STRIDE];   // [token][p]
+    __shared__ __align__(16) float bs[ST_TK * ST_STRIDE];   // [token][n], times w
+    __shared__ float ws[ST_TK];
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int ntiles_n = (dstate + ST_TN - 1) / ST_TN;
+    const int p0 = (blockIdx.x / ntiles_n) * ST_TP;
+    const int n0 = (blockIdx.x % ntiles_n) * ST_TN;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int grp = h / (nheads / ngroups);
+    const int rows_p = min(ST_TP, headdim - p0);
+    const int cols_n = min(ST_TN, dstate - n0);
+
+    // This thread's accumulator elements: rows p = p0 + warp*16 + g (+8), cols n = n0 + j*8 + 2q (+1).
+    const int pr0 = warp * 16 + g;
+    float acc[8][4];
+    {
+        const float* init = initial_states != nullptr
+            ? initial_states + ((i64)b * nheads + h) * headdim * dstate : nullptr;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int pr = pr0 + ((e & 2) ? 8 : 0);
+                int nc = j * 8 + 2 * q + (e & 1);
+                float v = 0.0f;
+                if (init != nullptr && pr < rows_p && nc < cols_n)
+                    v = init[(i64)(p0 + pr) * dstate + n0 + nc];
+                acc[j][e] = v;
+            }
+        }
+    }
+
+    // Writes this thread's accumulator elements into a [headdim, dstate] state.
+    auto store_state = [&](float* dst) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int pr = pr0 + ((e & 2) ? 8 : 0);
+                int nc = j * 8 + 2 * q + (e & 1);
+                if (pr < rows_p && nc < cols_n) dst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
+            }
+        }
+    };
+
+    const i64 tok_stride_x = (i64)nheads * headdim;
+    const i64 tok_stride_b = (i64)ngroups * dstate;
+    for (int c = 0; c < nchunks; ++c) {
+        const i64 t0 = (i64)c * chunk_size;
+        const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+        // The state entering chunk c.
+        store_state(chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate);
+        const i64 cb = (((i64)b * nheads + h) * nchunks + c) * chunk_size;
+        const float cs_last = dA_cumsum[cb + last];
+        int seq_last = 0, seq_prev = 0;
+        if (seq_idx != nullptr) {
+            seq_last = seq_idx[(i64)b * seqlen + t0 + last];
+            seq_prev = c == 0 ? 0 : seq_idx[(i64)b * seqlen + t0 - 1];
+        }
+        const float scale = seq_last == seq_prev ? expf(cs_last) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
+        }
+
+        for (int k0 = 0; k0 <= last; k0 += ST_TK) {
+            const int rows_t = min(ST_TK, last + 1 - k0);
+            __syncthreads();  // the previous stage's fragments have been read
+            if (tid < ST_TK) {
+                float w = 0.0f;
+                if (tid < rows_t) {
+                    int l = k0 + tid;
+                    bool same = seq_idx == nullptr || seq_idx[(i64)b * seqlen + t0 + l] == seq_last;
+                    if (same) w = expf(cs_last - dA_cumsum[cb + l]) * dt_out[cb + l];
+                }
+                ws[tid] = w;
+            }
+            load_block64_tf32<ST_TK, ST_THREADS, false>(
+                xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
+                tok_stride_x, rows_t, rows_p, nullptr, tid);
+            __syncthreads();  // ws is ready
+            load_block64_tf32<ST_TK, ST_THREADS, true>(
+                bs, ST_STRIDE, Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0,
+                tok_stride_b, rows_t, cols_n, ws, tid);
+            __syncthreads();  // both tiles are ready
+#pragma unroll
+            for (int kk = 0; kk < ST_TK / 8; ++kk) {
+                unsigned a[4];
+                // A[p][l] = x[l][p]: xs holds [l][p], so the fragment is read transposed.
+                load_a_colmajor(a, xs + kk * 8 * ST_STRIDE + warp * 16, ST_STRIDE, g, q);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    unsigned bf[2];
+                    load_b_krows(bf, bs + kk * 8 * ST_STRIDE + j * 8, ST_STRIDE, g, q);
+                    mma_tf32(acc[j], a, bf);
+                }
+            }
+        }
+    }
+
+    store_state(final_states + ((i64)b * nheads + h) * headdim * dstate);
+}
+
+// The parameters of ssd_fwd_pass_state (Rust: FwdPassStateParams).
+struct FwdPassStateParams {
+    const float* x;               // [batch, seqlen, nheads, headdim]
+    const float* Bm;              // [batch, seqlen, ngroups, dstate]
+    const float* dt_out;          // [batch, nheads, nchunks, chunk_size]
+    const float* dA_cumsum;       // [batch, nheads, nchunks, chunk_size]
+    const float* initial_states;  // [batch, nheads, headdim, dstate] or null
+    const int* seq_idx;           // [batch, seqlen] or null
+    float* chunk_states;          // [batch, nchunks, nheads, headdim, dstate]
+    float* final_states;          // [batch, nheads, headdim, dstate]
+    int seqlen, nheads, headdim, ngroups, dstate, chunk_size, nchunks;
+};
+static_assert(sizeof(FwdPassStateParams) == 96, "FwdPassStateParams: the Rust struct has 96 bytes");
+
+extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(const FwdPassStateParams p) {
+    fwd_pass_state_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states,
+                        p.final_states, p.seqlen, p.nheads, p.headdim, p.ngroups, p.dstate, p.chunk_size,
+                        p.nchunks);
+}
+// Static shared memory only.
+SSD_LAYOUT_FIXED(ssd_fwd_pass_state, FwdPassStateParams, 0);

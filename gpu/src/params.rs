@@ -1,0 +1,174 @@
+//! The parameter structs of the kernels: one per kernel contract, `#[repr(C)]`, field for field
+//! the C struct of the same name in `gpu/kernels/` (which each kernel takes by value as its one
+//! argument). Device buffers are raw device addresses (0 for an absent optional buffer).
+//!
+//! Their sizes are checked three times: a `static_assert` in the C source, a const assert
+//! here, and at load against the size the loaded module reports (`K_layout.params`, see
+//! [`crate::kernels::Kernel`]).
+
+use cudarc::driver::DeviceRepr;
+
+/// `ssd_chunk_cumsum` and `ssd_chunk_cumsum_tiled` (`gpu/kernels/chunk_cumsum.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkCumsumParams {
+    pub dt: u64,
+    pub a: u64,
+    pub dt_bias: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub batch: i32,
+    pub seqlen: i32,
+    pub nheads: i32,
+    pub chunk_size: i32,
+    pub nchunks: i32,
+    pub dt_softplus: i32,
+    pub dt_lo: f32,
+    pub dt_hi: f32,
+    pub unroll16: i32,
+}
+
+/// `ssd_fwd_pass_state` (`gpu/kernels/fwd_pass_state/fused.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FwdPassStateParams {
+    pub x: u64,
+    pub b: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub initial_states: u64,
+    pub seq_idx: u64,
+    pub chunk_states: u64,
+    pub final_states: u64,
+    pub sizes: StateSizes,
+}
+
+/// The sizes every stage-2 and stage-3 kernel takes, in this order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StateSizes {
+    pub seqlen: i32,
+    pub nheads: i32,
+    pub headdim: i32,
+    pub ngroups: i32,
+    pub dstate: i32,
+    pub chunk_size: i32,
+    pub nchunks: i32,
+}
+
+/// `ssd_chunk_state_local`, `ssd_chunk_state_local_wide` (`fwd_pass_state/local.cu`) and
+/// `ssd_chunk_state_local_pair` (`fwd_pass_state/pair.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkStateLocalParams {
+    pub x: u64,
+    pub b: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub seq_idx: u64,
+    pub chunk_states: u64,
+    pub sizes: StateSizes,
+}
+
+/// `ssd_state_passing` (`fwd_pass_state/passing.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StatePassingParams {
+    pub da_cumsum: u64,
+    pub initial_states: u64,
+    pub seq_idx: u64,
+    pub chunk_states: u64,
+    pub final_states: u64,
+    pub seqlen: i32,
+    pub nheads: i32,
+    pub headdim: i32,
+    pub dstate: i32,
+    pub chunk_size: i32,
+    pub nchunks: i32,
+    pub vec4: i32,
+}
+
+/// `ssd_chunk_cb` (`compute_out/scores.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkCbParams {
+    pub b: u64,
+    pub c: u64,
+    pub cbuf: u64,
+    pub seqlen: i32,
+    pub ngroups: i32,
+    pub dstate: i32,
+    pub chunk_size: i32,
+    pub nchunks: i32,
+    pub tmax: i32,
+    pub vec: i32,
+}
+
+/// `ssd_compute_out` (`compute_out/fused.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ComputeOutParams {
+    pub x: u64,
+    pub b: u64,
+    pub c: u64,
+    pub d: u64,
+    pub z: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub chunk_states: u64,
+    pub seq_idx: u64,
+    pub out: u64,
+    pub sizes: StateSizes,
+    pub d_per_channel: i32,
+    pub has_initial_states: i32,
+}
+
+/// `ssd_compute_out_cb`, `ssd_compute_out_cb128` (`compute_out/tiled.cu`) and
+/// `ssd_compute_out_pair` (`compute_out/pair.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ComputeOutCbParams {
+    pub x: u64,
+    pub c: u64,
+    pub d: u64,
+    pub z: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub chunk_states: u64,
+    pub seq_idx: u64,
+    pub cbuf: u64,
+    pub out: u64,
+    pub sizes: StateSizes,
+    pub d_per_channel: i32,
+    pub has_initial_states: i32,
+    pub tmax: i32,
+    pub vec: i32,
+}
+
+// SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
+// sizes are asserted below, in the C source and against the loaded module).
+unsafe impl DeviceRepr for ChunkCumsumParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FwdPassStateParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ChunkStateLocalParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for StatePassingParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ChunkCbParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ComputeOutParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ComputeOutCbParams {}
+
+const _: () = {
+    use std::mem::size_of;
+    // The same numbers as the `static_assert`s of the C structs.
+    assert!(size_of::<ChunkCumsumParams>() == 80);
+    assert!(size_of::<FwdPassStateParams>() == 96);
+    assert!(size_of::<ChunkStateLocalParams>() == 80);
+    assert!(size_of::<StatePassingParams>() == 72);
+    assert!(size_of::<ChunkCbParams>() == 56);
+    assert!(size_of::<ComputeOutParams>() == 120);
+    assert!(size_of::<ComputeOutCbParams>() == 128);
+};
