@@ -369,7 +369,7 @@ fn timed_value<R>(f: impl FnOnce() -> R) -> (R, Duration) {
 /// # Errors
 /// [`VerifyError::Unavailable`] with the reason (e.g. "no CUDA driver: ...").
 pub fn gpu_available() -> Result<(), VerifyError> {
-    ssd_gpu::default_gpu()
+    ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env())
         .map(|_| ())
         .map_err(|e| VerifyError::Unavailable(e.to_string()))
 }
@@ -387,7 +387,9 @@ fn gpu_forward(
         )));
     };
     let unavailable = |e: ssd_gpu::GpuError| VerifyError::Unavailable(e.to_string());
-    let gpu = ssd_gpu::default_gpu().map_err(unavailable)?;
+    // The kernel variant from the environment (`SSD_GPU_V1=1`, `SSD_GPU_PAIR=0`; see
+    // `GpuConfig::from_env`), the default one otherwise.
+    let gpu = ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env()).map_err(unavailable)?;
     let inputs = gpu.upload(p).map_err(unavailable)?;
     let start = Instant::now();
     let outputs = gpu.forward_device(&inputs).map_err(unavailable)?;
