@@ -46,17 +46,24 @@ step() { # name, key-line pattern, command...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
+# The test archive that gpu-bundle.sh made, run by the cargo-nextest binary it carries (no
+# cargo needed); extra arguments select the tests (`-E FILTER`) and pass options.
+nextest() {
+  bin/cargo-nextest nextest run --archive-file tests.tar.zst --workspace-remap workspace \
+    --no-fail-fast --no-capture "$@"
+}
+
 if [ $checks = 1 ]; then
-for t in bin/tests/*; do
-  n=$(basename "$t")
-  step "test-$n" 'test result|panicked' "$t" --test-threads=1 --nocapture
-done
+while read -r id; do
+  step "test-${id#*::}" 'Summary|panicked|FAIL' nextest -E "binary_id($id)"
+done <tests.txt
 
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
       compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      bin/tests/gpu_fuzz --exact gpu_sanitizer_shapes --test-threads=1 --nocapture
+      bin/cargo-nextest nextest run --archive-file tests.tar.zst --workspace-remap workspace \
+      --no-capture -E 'binary_id(ssd-verify::gpu_fuzz) & test(=gpu_sanitizer_shapes)'
   done
 else
   rows+=("compute-sanitizer          MISSING")
@@ -105,6 +112,6 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -h -o -E '(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
+grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 [ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings|^Triton' "$logs/all/triton-table.log"

@@ -1,7 +1,10 @@
 //! Seeded random problems: every size and option of the contract, reproducible from a seed.
 //!
-//! The same `(ProblemSpec, seed)` gives the same problem on every machine (ChaCha8 stream,
-//! values drawn in a fixed order), so fixtures, fuzz cases and benchmarks can be regenerated.
+//! Two steps, each seeded: [`random_spec`] (or [`random_pair_spec`]) draws what a problem is
+//! (sizes, options, value ranges) from a [`SpecRng`] stream, and [`random_problem`] draws its
+//! values for a [`ProblemSpec`] and a seed. The same seeds give the same problem on every
+//! machine (splitmix64 for specs, ChaCha8 for values, both drawn in a fixed order), so
+//! fixtures, fuzz cases (CPU and GPU) and benchmarks can be regenerated.
 
 use ndarray::{Array1, Array2, Array3, Array4, ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
@@ -107,6 +110,150 @@ fn fill<R: Rng, Sh: ndarray::ShapeBuilder>(
     let mut a = ndarray::Array::zeros(shape);
     a.iter_mut().for_each(|v| *v = uniform(rng, lo, hi));
     a
+}
+
+/// splitmix64: the random stream specs are drawn from (seeded, the same on every machine).
+#[derive(Debug, Clone)]
+pub struct SpecRng(u64);
+
+impl SpecRng {
+    pub fn new(seed: u64) -> Self {
+        SpecRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi` (up to the modulo's tiny bias).
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        ((self.next_u64() >> 11) as f64) / ((1u64 << 53) as f64) < p
+    }
+
+    /// One of `v`, uniformly.
+    pub fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+        v[self.range(0, v.len() - 1)]
+    }
+}
+
+/// A random spec over every size and option of the contract: ragged seqlen, chunk sizes 1 to
+/// 1024, ngroups > 1, headdim and dstate off the 64-wide tiles (dstate up to 256), every
+/// optional tensor, seq_idx (segments, resets at chunk starts, leading run not 0), softplus,
+/// dt_limit, and decays from none (A = 0) to very strong. The naive cost
+/// `batch * seqlen * nheads * headdim * dstate` is capped at `cap` (by shortening seqlen, down
+/// to 1).
+///
+/// The draws are part of the contract of the fuzz suites: the GPU fuzz suite's recorded worst
+/// ratios are for exactly these cases, so any change here changes them.
+pub fn random_spec(rng: &mut SpecRng, cap: usize) -> ProblemSpec {
+    let chunk_size = if rng.chance(0.05) {
+        rng.pick(&[512usize, 1024])
+    } else {
+        1 << rng.range(0, 8)
+    };
+    let ngroups = rng.range(1, 3);
+    let nheads = ngroups * rng.range(1, 3);
+    let headdim = if rng.chance(0.5) {
+        rng.pick(&[1usize, 8, 16, 32, 63, 64, 65, 80, 128])
+    } else {
+        rng.range(1, 96)
+    };
+    let dstate = if rng.chance(0.08) {
+        rng.pick(&[255usize, 256])
+    } else if rng.chance(0.5) {
+        rng.pick(&[1usize, 16, 32, 64, 100, 128])
+    } else {
+        rng.range(1, 140)
+    };
+    let batch = rng.range(1, 3);
+    let mut seqlen = match rng.range(0, 3) {
+        0 => rng.range(1, 16),
+        1 => rng.range(1, 3 * chunk_size.min(256) + 7),
+        _ => rng.range(1, 700),
+    };
+    let per_token = batch * nheads * headdim * dstate;
+    seqlen = seqlen.min((cap / per_token).max(1));
+    let dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
+    let dt_softplus = rng.chance(0.5);
+    let dt_limit = match rng.range(0, 3) {
+        0 | 1 => (0.0, f64::INFINITY),
+        2 => (0.001, 0.5),
+        _ => (0.01, 0.1),
+    };
+    let seq_idx = match rng.range(0, 5) {
+        0 | 1 => SeqIdx::None,
+        2 => SeqIdx::Segments {
+            segments: rng.range(1, 5),
+            first: 0,
+        },
+        3 => SeqIdx::Segments {
+            segments: rng.range(1, 4),
+            first: rng.range(0, 1) as i64,
+        },
+        _ => SeqIdx::AtChunkStarts {
+            every: rng.range(1, 2),
+        },
+    };
+    let a_range = match rng.range(0, 5) {
+        0 => (0.0, 0.0),
+        1 => (5.0, 30.0),
+        _ => (0.5, 8.0),
+    };
+    let dt_range = if dt_softplus {
+        (-4.0, 1.0)
+    } else if rng.chance(0.2) {
+        (0.0, 2.0)
+    } else {
+        (0.001, 0.2)
+    };
+    ProblemSpec {
+        dims,
+        options: Options {
+            chunk_size,
+            dt_softplus,
+            dt_limit,
+        },
+        d: rng.pick(&[DSkip::None, DSkip::PerHead, DSkip::PerChannel]),
+        z: rng.chance(0.5),
+        dt_bias: rng.chance(0.5),
+        initial_states: rng.chance(0.5),
+        seq_idx,
+        a_range,
+        dt_range,
+    }
+}
+
+/// A random spec of the shapes the GPU's output kernel over pairs of units serves (chunks of
+/// 128 to 512 tokens, seqlen past one 64-row tile, headdim and dstate multiples of 4, an even
+/// number of (head, 64 headdim columns) units per group), every option drawn as in
+/// [`random_spec`] (whose sizes it then redraws; the cost cap keeps seqlen at least 65).
+pub fn random_pair_spec(rng: &mut SpecRng, cap: usize) -> ProblemSpec {
+    let mut spec = random_spec(rng, cap);
+    let ngroups = rng.range(1, 3);
+    let (headdim, heads_per_group) = if rng.chance(0.5) {
+        (4 * rng.range(1, 16), 2 * rng.range(1, 2))
+    } else {
+        (4 * rng.range(17, 32), rng.range(1, 3))
+    };
+    let dstate = 4 * rng.range(1, 64);
+    let chunk_size = rng.pick(&[128usize, 256, 256, 512]);
+    let batch = rng.range(1, 2);
+    let nheads = ngroups * heads_per_group;
+    let per_token = batch * nheads * headdim * dstate;
+    let seqlen = rng.range(65, 1100).min((cap / per_token).max(65));
+    spec.dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
+    spec.options.chunk_size = chunk_size;
+    spec
 }
 
 /// Draws a problem from `spec` with `seed`.
@@ -220,6 +367,30 @@ mod tests {
         assert_eq!(p.inputs().x, q.inputs().x);
         assert_eq!(p.inputs().seq_idx, q.inputs().seq_idx);
         assert_ne!(p.inputs().x, r.inputs().x);
+    }
+
+    /// The GPU fuzz suite's first specs (stream `0x55D_0001`): the recorded worst ratios are
+    /// for exactly these draws.
+    #[test]
+    fn spec_draws_are_pinned() {
+        let mut rng = SpecRng::new(0x55D_0001);
+        let sizes: Vec<(Dims, usize)> = (0..3)
+            .map(|_| {
+                let s = random_spec(&mut rng, 4_000_000);
+                (s.dims, s.options.chunk_size)
+            })
+            .collect();
+        assert_eq!(
+            sizes,
+            [
+                (Dims::new(3, 247, 2, 55, 1, 49), 4),
+                (Dims::new(3, 14, 3, 44, 3, 13), 64),
+                (Dims::new(1, 8, 6, 24, 2, 87), 256),
+            ]
+        );
+        let pair = random_pair_spec(&mut SpecRng::new(0x9A1_0001), 4_000_000);
+        assert!(pair.dims.seqlen >= 65 && pair.dims.headdim.is_multiple_of(4));
+        assert!(pair.options.chunk_size >= 128);
     }
 
     #[test]

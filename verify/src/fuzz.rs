@@ -1,92 +1,69 @@
-//! Shape fuzzing: proptest strategies that build valid problems by construction, over every
-//! size and option of the contract, and the harness that checks a candidate on them.
+//! Shape fuzzing: seeded random cases over every size and option of the contract, and the
+//! harness that checks an implementation on them.
 //!
-//! A [`FuzzCase`] is a [`ProblemSpec`] (sizes, options, value ranges) plus a seed; the values
-//! come from [`random_problem`], so a case is small to print and shrinks well: proptest shrinks
-//! the sizes and switches options off (towards the first alternative of each choice) while the
-//! failure persists. Any implementation joins the suite with
+//! A [`FuzzCase`] is a [`ProblemSpec`] (sizes, options, value ranges) plus a seed for the
+//! values. The specs come from the one generator of the workspace,
+//! [`ssd_reference::random::random_spec`] (the GPU fuzz suite draws from it too, with a larger
+//! cost cap), and the values from [`random_problem`], so a case is small to print and is
+//! rebuilt from what it prints. [`cases`] draws a fixed list from a stream seed: every run
+//! checks the same cases (`SSD_FUZZ_SEED` draws others, `SSD_FUZZ_CASES` sets how many).
+//! [`check_all`] runs a check on every case in parallel and, on a failure, [`shrink`]s the
+//! first failing case (smaller sizes, options off, the same value seed) before it panics, so
+//! the message shows a small case. Any implementation joins the suite with
 //!
 //! ```no_run
-//! use proptest::prelude::*;
-//! use ssd_verify::fuzz::{case_strategy, config, verdict};
+//! use ssd_verify::fuzz::{cases, case_count, check_all, verdict, DEFAULT_SEED};
 //! use ssd_verify::tolerance::{Candidate, Precision};
 //!
-//! proptest! {
-//!     #![proptest_config(config())]
-//!     #[test]
-//!     fn my_kernel_is_within_the_tf32_bound(case in case_strategy()) {
+//! #[test]
+//! fn my_kernel_is_within_the_tf32_bound() {
+//!     check_all("my kernel", &cases(case_count(), DEFAULT_SEED), |case| {
 //!         let p = case.problem();
 //!         let out = ssd_reference::chunked::forward(&p.cast::<f32>(), ssd_reference::MatmulPrecision::Tf32);
 //!         let v = verdict(&p, &Candidate::from(&out), Precision::Tf32);
-//!         prop_assert!(v.passed(), "{}: {:?}", case, v.failures());
-//!     }
+//!         if v.passed() { Ok(()) } else { Err(v.failures().join("; ")) }
+//!     });
 //! }
 //! ```
 use std::fmt;
 
-use proptest::prelude::*;
-pub use proptest::test_runner::Config;
-use proptest::test_runner::FileFailurePersistence;
-use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use rayon::prelude::*;
+use ssd_reference::random::{random_problem, random_spec, DSkip, ProblemSpec, SeqIdx, SpecRng};
 use ssd_reference::{Dims, Options, Problem};
 
 use crate::tolerance::{Candidate, Oracle, Precision, Verdict};
 
-/// Cases per property when `PROPTEST_CASES` is not set: keeps the whole default suite within a
+/// Cases per check when `SSD_FUZZ_CASES` is not set: keeps the whole default suite within a
 /// few minutes on two cores.
-pub const DEFAULT_CASES: u32 = 256;
+pub const DEFAULT_CASES: usize = 256;
 
-/// The number of cases per property: `PROPTEST_CASES` if set to a number, else
-/// [`DEFAULT_CASES`].
-pub fn case_count() -> u32 {
-    std::env::var("PROPTEST_CASES")
+/// The stream seed of the default cases when `SSD_FUZZ_SEED` is not set.
+pub const DEFAULT_SEED: u64 = 0x55D_F022;
+
+/// The largest naive cost `batch * seqlen * nheads * headdim * dstate` of a CPU case: keeps a
+/// case within milliseconds, while sequences of several chunks stay common (the generator
+/// shortens seqlen to meet the cap).
+pub const DEFAULT_CAP: usize = 100_000;
+
+/// A number from the environment variable `name`, or `default`.
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(DEFAULT_CASES)
+        .unwrap_or(default)
 }
 
-/// The proptest configuration of the fuzz suites: [`case_count`] cases, failures persisted in
-/// `proptest-regressions/fuzz.txt` under the crate (commit it; proptest replays the seeds it
-/// holds before new cases). Use [`config_for`] to give a test file its own regression file.
-pub fn config() -> Config {
-    config_for("fuzz")
+/// The number of cases per check: `SSD_FUZZ_CASES` if set to a number, else
+/// [`DEFAULT_CASES`].
+pub fn case_count() -> usize {
+    env_number("SSD_FUZZ_CASES", DEFAULT_CASES)
 }
 
-/// Like [`config`], with failures persisted in `proptest-regressions/NAME.txt` (relative to
-/// the crate's folder, where `cargo test` runs tests).
-pub fn config_for(name: &str) -> Config {
-    let path: &'static str = Box::leak(format!("proptest-regressions/{name}.txt").into_boxed_str());
-    Config {
-        cases: case_count(),
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(path))),
-        ..Config::default()
-    }
-}
-
-/// Upper limits of the generated sizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    pub batch: usize,
-    pub seqlen: usize,
-    pub headdim: usize,
-    pub dstate: usize,
-    /// `log2` of the largest chunk size.
-    pub log2_chunk: u32,
-}
-
-impl Default for Limits {
-    /// Small enough for hundreds of cases a second on the CPU: batch 2, seqlen 300 (with most
-    /// draws much shorter), headdim 8, dstate 16, chunk sizes 1 to 256; nheads is one of
-    /// 1, 2, 3, 4, 6, 8.
-    fn default() -> Self {
-        Limits {
-            batch: 2,
-            seqlen: 300,
-            headdim: 8,
-            dstate: 16,
-            log2_chunk: 8,
-        }
-    }
+/// The stream seed of the fuzz suites: `SSD_FUZZ_SEED` if set to a number, else
+/// [`DEFAULT_SEED`] (a test may add its own offset, to check other cases than its
+/// neighbours).
+pub fn seed() -> u64 {
+    env_number("SSD_FUZZ_SEED", DEFAULT_SEED)
 }
 
 /// A generated case: what to draw and the seed to draw it with.
@@ -100,11 +77,17 @@ impl FuzzCase {
     /// The problem (valid by construction).
     ///
     /// # Panics
-    /// Never for a case from [`case_strategy`]; a hand-made invalid spec panics with the
+    /// Never for a case from [`cases`] or [`shrink`]; a hand-made invalid spec panics with the
     /// reference's message.
     pub fn problem(&self) -> Problem<f64> {
         random_problem(&self.spec, self.seed)
-            .unwrap_or_else(|e| panic!("fuzz strategy built an invalid problem ({self}): {e}"))
+            .unwrap_or_else(|e| panic!("fuzz case is not a valid problem ({self}): {e}"))
+    }
+
+    /// The naive cost `batch * seqlen * nheads * headdim * dstate`.
+    pub fn size(&self) -> usize {
+        let d = self.spec.dims;
+        d.batch * d.seqlen * d.nheads * d.headdim * d.dstate
     }
 }
 
@@ -136,127 +119,232 @@ impl fmt::Display for FuzzCase {
     }
 }
 
-/// Sizes: `nheads` from {1, 2, 3, 4, 6, 8} with `ngroups` one of its divisors, the rest in
-/// `1..=limit` (seqlen short most of the time: `1..=8`, `1..=64` or `1..=limit`).
-pub fn dims_strategy(lim: Limits) -> impl Strategy<Value = Dims> {
-    let seqlen = prop_oneof![
-        3 => 1..=8usize,
-        4 => 1..=64usize.min(lim.seqlen),
-        2 => 1..=lim.seqlen,
-    ];
-    let heads = prop_oneof![Just(1usize), Just(2), Just(4), Just(3), Just(6), Just(8)];
-    let heads_groups = heads.prop_flat_map(|h| {
-        let divisors: Vec<usize> = (1..=h).filter(|g| h % g == 0).collect();
-        (Just(h), proptest::sample::select(divisors))
-    });
-    (
-        1..=lim.batch,
-        seqlen,
-        heads_groups,
-        1..=lim.headdim,
-        1..=lim.dstate,
-    )
-        .prop_map(|(batch, seqlen, (nheads, ngroups), headdim, dstate)| {
-            Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate)
+/// `n` cases drawn from the stream `seed` with [`DEFAULT_CAP`]: the same list on every run
+/// and machine.
+pub fn cases(n: usize, seed: u64) -> Vec<FuzzCase> {
+    cases_with_cap(n, seed, DEFAULT_CAP)
+}
+
+/// `n` cases drawn from the stream `seed`, each of naive cost at most `cap` (see
+/// [`random_spec`]): the spec first, then the seed of its values.
+pub fn cases_with_cap(n: usize, seed: u64, cap: usize) -> Vec<FuzzCase> {
+    let mut rng = SpecRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let spec = random_spec(&mut rng, cap);
+            FuzzCase {
+                spec,
+                seed: rng.next_u64(),
+            }
         })
+        .collect()
 }
 
-/// Options: chunk sizes `2^0` to `2^log2_chunk`, softplus on or off, `dt_limit` from the
-/// default `[0, inf)` to tight clamps.
-pub fn options_strategy(lim: Limits) -> impl Strategy<Value = Options> {
-    let limits = prop_oneof![
-        Just((0.0, f64::INFINITY)),
-        Just((0.001, 0.5)),
-        Just((0.01, 0.1)),
-        Just((0.0, 0.05)),
-        Just((0.05, f64::INFINITY)),
-    ];
-    (0..=lim.log2_chunk, any::<bool>(), limits).prop_map(|(k, dt_softplus, dt_limit)| Options {
-        chunk_size: 1 << k,
-        dt_softplus,
-        dt_limit,
-    })
+/// The outcome of a check on one case: `Err` holds what failed.
+pub type CaseResult = Result<(), String>;
+
+/// Runs `check` on every case (in parallel) and returns the failing cases in order, each with
+/// its message.
+pub fn failures<F>(cases: &[FuzzCase], check: F) -> Vec<(FuzzCase, String)>
+where
+    F: Fn(&FuzzCase) -> CaseResult + Sync,
+{
+    let results: Vec<CaseResult> = cases.par_iter().map(&check).collect();
+    cases
+        .iter()
+        .zip(results)
+        .filter_map(|(c, r)| r.err().map(|e| (c.clone(), e)))
+        .collect()
 }
 
-/// `seq_idx` layouts: none; 1 to 5 sequences per row numbered from 0, 1 or 2 (a first value
-/// above 0 leaves the initial state unused); resets exactly at every (or every other) chunk
-/// start.
-pub fn seq_idx_strategy() -> impl Strategy<Value = SeqIdx> {
-    prop_oneof![
-        2 => Just(SeqIdx::None),
-        2 => (1..=5usize, 0..=2i64).prop_map(|(segments, first)| SeqIdx::Segments { segments, first }),
-        1 => (1..=2usize).prop_map(|every| SeqIdx::AtChunkStarts { every }),
-    ]
+/// Runs `check` on every case (in parallel).
+///
+/// # Panics
+/// When a case fails: the message gives the number of failing cases, the first one shrunk by
+/// [`shrink`] with its failure, and the first one as drawn.
+pub fn check_all<F>(label: &str, cases: &[FuzzCase], check: F)
+where
+    F: Fn(&FuzzCase) -> CaseResult + Sync,
+{
+    let failed = failures(cases, &check);
+    if let Some((first, why)) = failed.first() {
+        let (small, small_why) = shrink(first, why.clone(), &check);
+        panic!(
+            "{label}: {} of {} cases fail.\nshrunk: {small}\n    {small_why}\nas drawn: {first}\n    {why}",
+            failed.len(),
+            cases.len()
+        );
+    }
 }
 
-/// Ranges of `-A` and of the raw `dt`: Mamba-2's usual ones, no decay at all, tiny decays,
-/// extreme decays (`|dt' A|` up to hundreds per token, so decays underflow), and raw `dt` on
-/// both sides of the softplus threshold 20.
-pub fn ranges_strategy() -> impl Strategy<Value = ((f64, f64), (f64, f64))> {
-    let a = prop_oneof![
-        3 => Just((0.5, 8.0)),
-        1 => Just((0.0, 0.0)),
-        1 => Just((0.0, 1e-3)),
-        1 => Just((1.0, 30.0)),
-        1 => Just((0.0, 16.0)),
-    ];
-    let dt = prop_oneof![
-        3 => Just((0.001, 0.1)),
-        2 => Just((-4.0, 1.0)),
-        1 => Just((-25.0, 25.0)),
-        1 => Just((0.0, 2.0)),
-    ];
-    (a, dt)
-}
-
-/// Valid cases over every size and option, with [`Limits::default`].
-pub fn case_strategy() -> impl Strategy<Value = FuzzCase> {
-    case_strategy_with(Limits::default())
-}
-
-/// Valid cases over every size and option within `lim`.
-pub fn case_strategy_with(lim: Limits) -> impl Strategy<Value = FuzzCase> {
-    let d = prop_oneof![
-        Just(DSkip::None),
-        Just(DSkip::PerHead),
-        Just(DSkip::PerChannel)
-    ];
-    let flags = (any::<bool>(), any::<bool>(), any::<bool>());
-    (
-        dims_strategy(lim),
-        options_strategy(lim),
-        d,
-        flags,
-        seq_idx_strategy(),
-        ranges_strategy(),
-        any::<u64>(),
-    )
-        .prop_map(
-            |(
-                dims,
-                options,
-                d,
-                (z, dt_bias, initial_states),
-                seq_idx,
-                (a_range, dt_range),
-                seed,
-            )| {
-                FuzzCase {
-                    spec: ProblemSpec {
-                        dims,
-                        options,
-                        d,
-                        z,
-                        dt_bias,
-                        initial_states,
-                        seq_idx,
-                        a_range,
-                        dt_range,
-                    },
-                    seed,
-                }
+/// Smaller variants of `spec`, the most reducing first: fewer or shorter rows, fewer heads and
+/// groups, narrower heads and states, smaller chunks, and each option switched off.
+fn simpler(spec: &ProblemSpec) -> Vec<ProblemSpec> {
+    let d = spec.dims;
+    let mut out = Vec::new();
+    let with_dims = |batch, seqlen, nheads, headdim, ngroups, dstate| ProblemSpec {
+        dims: Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate),
+        ..*spec
+    };
+    let per_group = d.nheads / d.ngroups;
+    for seqlen in [1, d.seqlen / 2, d.seqlen - 1] {
+        if seqlen >= 1 && seqlen < d.seqlen {
+            out.push(with_dims(
+                d.batch, seqlen, d.nheads, d.headdim, d.ngroups, d.dstate,
+            ));
+        }
+    }
+    if d.batch > 1 {
+        out.push(with_dims(
+            1, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate,
+        ));
+    }
+    if d.ngroups > 1 {
+        out.push(with_dims(
+            d.batch, d.seqlen, per_group, d.headdim, 1, d.dstate,
+        ));
+        out.push(with_dims(
+            d.batch,
+            d.seqlen,
+            per_group * (d.ngroups - 1),
+            d.headdim,
+            d.ngroups - 1,
+            d.dstate,
+        ));
+    }
+    if per_group > 1 {
+        for per in [1, per_group - 1] {
+            out.push(with_dims(
+                d.batch,
+                d.seqlen,
+                d.ngroups * per,
+                d.headdim,
+                d.ngroups,
+                d.dstate,
+            ));
+        }
+    }
+    for headdim in [1, d.headdim / 2, d.headdim - 1] {
+        if headdim >= 1 && headdim < d.headdim {
+            out.push(with_dims(
+                d.batch, d.seqlen, d.nheads, headdim, d.ngroups, d.dstate,
+            ));
+        }
+    }
+    for dstate in [1, d.dstate / 2, d.dstate - 1] {
+        if dstate >= 1 && dstate < d.dstate {
+            out.push(with_dims(
+                d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, dstate,
+            ));
+        }
+    }
+    if spec.options.chunk_size > 1 {
+        out.push(ProblemSpec {
+            options: Options {
+                chunk_size: spec.options.chunk_size / 2,
+                ..spec.options
             },
-        )
+            ..*spec
+        });
+    }
+    let plain = ProblemSpec::plain(d);
+    let mut off = |changed: bool, s: ProblemSpec| {
+        if changed {
+            out.push(s);
+        }
+    };
+    off(
+        spec.d != DSkip::None,
+        ProblemSpec {
+            d: DSkip::None,
+            ..*spec
+        },
+    );
+    off(spec.z, ProblemSpec { z: false, ..*spec });
+    off(
+        spec.dt_bias,
+        ProblemSpec {
+            dt_bias: false,
+            ..*spec
+        },
+    );
+    off(
+        spec.initial_states,
+        ProblemSpec {
+            initial_states: false,
+            ..*spec
+        },
+    );
+    off(
+        spec.seq_idx != SeqIdx::None,
+        ProblemSpec {
+            seq_idx: SeqIdx::None,
+            ..*spec
+        },
+    );
+    off(
+        spec.options.dt_limit != plain.options.dt_limit,
+        ProblemSpec {
+            options: Options {
+                dt_limit: plain.options.dt_limit,
+                ..spec.options
+            },
+            ..*spec
+        },
+    );
+    off(
+        spec.options.dt_softplus,
+        ProblemSpec {
+            options: Options {
+                dt_softplus: false,
+                ..spec.options
+            },
+            dt_range: plain.dt_range,
+            ..*spec
+        },
+    );
+    off(
+        spec.a_range != plain.a_range,
+        ProblemSpec {
+            a_range: plain.a_range,
+            ..*spec
+        },
+    );
+    off(
+        spec.dt_range != plain.dt_range && !spec.options.dt_softplus,
+        ProblemSpec {
+            dt_range: plain.dt_range,
+            ..*spec
+        },
+    );
+    out
+}
+
+/// Shrinks a failing case: repeatedly takes the first simpler variant (smaller sizes, an
+/// option off; the values redrawn from the same seed) on which `check` still fails, until
+/// none does. Returns the smallest failing case found and its failure (`case` and `why` when
+/// nothing simpler fails). Deterministic: the same failure always shrinks to the same case.
+pub fn shrink<F>(case: &FuzzCase, why: String, check: F) -> (FuzzCase, String)
+where
+    F: Fn(&FuzzCase) -> CaseResult + Sync,
+{
+    let mut best = (case.clone(), why);
+    // Each accepted step removes at least one token, head, channel, state, chunk halving or
+    // option, so this bound is never reached on the generator's cases.
+    for _ in 0..10_000 {
+        let next = simpler(&best.0.spec).into_iter().find_map(|spec| {
+            let c = FuzzCase {
+                spec,
+                seed: best.0.seed,
+            };
+            check(&c).err().map(|e| (c, e))
+        });
+        match next {
+            Some(n) => best = n,
+            None => break,
+        }
+    }
+    best
 }
 
 /// The verdict on `candidate` as an implementation of `p` in `precision`: computes the float64
@@ -269,4 +357,44 @@ pub fn verdict(p: &Problem<f64>, candidate: &Candidate, precision: Precision) ->
     Oracle::new(p)
         .check(candidate, precision)
         .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cases_are_fixed_by_their_seed() {
+        let a = cases(20, 3);
+        assert_eq!(a, cases(20, 3));
+        assert_ne!(a, cases(20, 4));
+        assert!(a
+            .iter()
+            .all(|c| c.size() <= DEFAULT_CAP || c.spec.dims.seqlen == 1));
+    }
+
+    #[test]
+    fn shrinking_finds_a_small_failing_case() {
+        // "Fails" whenever there are several heads and z is on: shrinks to one group of two
+        // heads, every other size 1 and every other option off.
+        let fails = |c: &FuzzCase| {
+            if c.spec.dims.nheads >= 2 && c.spec.z {
+                Err("two heads and z".to_string())
+            } else {
+                Ok(())
+            }
+        };
+        let all = cases(200, 5);
+        let (first, why) = failures(&all, fails).remove(0);
+        let (small, _) = shrink(&first, why, fails);
+        let d = small.spec.dims;
+        assert_eq!(
+            (d.batch, d.seqlen, d.headdim, d.dstate, d.ngroups),
+            (1, 1, 1, 1, 1)
+        );
+        assert_eq!(d.nheads, 2, "{small}");
+        assert!(small.spec.z);
+        assert!(!small.spec.dt_bias && !small.spec.initial_states);
+        assert_eq!(small.spec.seq_idx, SeqIdx::None);
+    }
 }

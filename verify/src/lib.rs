@@ -6,7 +6,8 @@
 //! - [`error`]: the crate's one error type, [`VerifyError`].
 //! - [`tolerance`]: the error model (per-element bounds) and the comparison of a candidate's
 //!   outputs with the float64 reference; [`magnitude`] computes its magnitudes.
-//! - [`fuzz`]: proptest strategies for valid problems over every size and option.
+//! - [`fuzz`]: seeded random cases over every size and option, and the harness that checks an
+//!   implementation on them (failures shrunk to small cases).
 //! - [`suites`]: the fixture suites `ssd-oracle gen` writes.
 //! - [`report`]: the checker's report (table and JSON), shared by every front end;
 //!   [`diagnose`] its failure map and hints, [`plot`] the map's picture.

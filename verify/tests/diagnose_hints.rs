@@ -10,13 +10,12 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::faults::{self, Fault, Rounding};
-use common::fixed_cases;
 use ndarray::ArrayD;
 use rayon::prelude::*;
 use ssd_reference::{ChunkedOutput, Problem};
 use ssd_verify::diagnose::Stage;
 use ssd_verify::fixture::Dtype;
-use ssd_verify::fuzz::DEFAULT_CASES;
+use ssd_verify::fuzz::{cases, DEFAULT_CASES, DEFAULT_SEED};
 use ssd_verify::report::{check_candidate, Labels, Report};
 use ssd_verify::tolerance::{Oracle, OutputName, Precision};
 
@@ -118,8 +117,8 @@ impl Tally {
 
 #[test]
 fn hints_name_the_faulty_stage() {
-    let n = DEFAULT_CASES as usize;
-    let cases = fixed_cases(n, 7);
+    let n = DEFAULT_CASES;
+    let cases = cases(n, DEFAULT_SEED);
     let per_case: Vec<Vec<(Report, Report)>> = cases
         .par_iter()
         .map(|case| {
@@ -218,8 +217,8 @@ fn hints_name_the_faulty_stage() {
 /// final state's map and on the explanations that need no intermediate.
 #[test]
 fn hints_from_out_and_final_states_only() {
-    let n = DEFAULT_CASES as usize;
-    let cases = fixed_cases(n, 7);
+    let n = DEFAULT_CASES;
+    let cases = cases(n, DEFAULT_SEED);
     let per_case: Vec<Vec<Report>> = cases
         .par_iter()
         .map(|case| {

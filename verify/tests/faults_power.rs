@@ -6,46 +6,76 @@
 mod common;
 
 use common::faults::{self, Fault, Rounding};
-use common::fixed_cases;
-use proptest::prelude::*;
 use rayon::prelude::*;
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{chunked, Dims, MatmulPrecision};
 use ssd_verify::fixture::{round_inputs, FloatDtype};
-use ssd_verify::fuzz::{case_strategy, config_for, DEFAULT_CASES};
+use ssd_verify::fuzz::{
+    case_count, cases, check_all, failures, seed, shrink, CaseResult, DEFAULT_CASES, DEFAULT_SEED,
+};
 use ssd_verify::tolerance::{Candidate, Oracle, Precision};
 
-proptest! {
-    #![proptest_config(config_for("faults_power"))]
-
-    /// The plain-loops implementation without a fault is a correct implementation: all four
-    /// outputs within the f64 bound in f64, the TF32 bound with TF32 operands (rounded or
-    /// truncated), the BF16 bound
-    /// with bf16 inputs and operands.
-    #[test]
-    fn plain_loops_without_fault_are_correct(case in case_strategy()) {
-        let p = case.problem();
-        let oracle = Oracle::new(&p);
-        let v = oracle.check(&(&faults::forward(&p, Fault::None, Rounding::None)).into(), Precision::F64).unwrap();
-        prop_assert!(v.passed(), "f64 {case}: {:?}", v.failures());
-        let p32 = p.cast::<f32>();
-        let v = oracle.check(&(&faults::forward(&p32, Fault::None, Rounding::Tf32)).into(), Precision::Tf32).unwrap();
-        prop_assert!(v.passed(), "tf32 {case}: {:?}", v.failures());
-        let v = oracle.check(&(&faults::forward(&p32, Fault::None, Rounding::Tf32Truncate)).into(), Precision::Tf32).unwrap();
-        prop_assert!(v.passed(), "tf32 (truncating) {case}: {:?}", v.failures());
-        let pb = round_inputs(&p, FloatDtype::BF16).unwrap().cast::<f32>();
-        let v = oracle.check(&(&faults::forward(&pb, Fault::None, Rounding::Bf16)).into(), Precision::Bf16).unwrap();
-        prop_assert!(v.passed(), "bf16 {case}: {:?}", v.failures());
+/// `Err` naming `what` and the failures unless `v` passed.
+fn passed(what: &str, v: &ssd_verify::tolerance::Verdict) -> CaseResult {
+    if v.passed() {
+        Ok(())
+    } else {
+        Err(format!("{what}: {:?}", v.failures()))
     }
+}
+
+/// The plain-loops implementation without a fault is a correct implementation: all four
+/// outputs within the f64 bound in f64, the TF32 bound with TF32 operands (rounded or
+/// truncated), the BF16 bound with bf16 inputs and operands.
+#[test]
+fn plain_loops_without_fault_are_correct() {
+    check_all(
+        "plain loops",
+        &cases(case_count(), seed().wrapping_add(6)),
+        |case| {
+            let p = case.problem();
+            let oracle = Oracle::new(&p);
+            let v = oracle
+                .check(
+                    &(&faults::forward(&p, Fault::None, Rounding::None)).into(),
+                    Precision::F64,
+                )
+                .unwrap();
+            passed("f64", &v)?;
+            let p32 = p.cast::<f32>();
+            let v = oracle
+                .check(
+                    &(&faults::forward(&p32, Fault::None, Rounding::Tf32)).into(),
+                    Precision::Tf32,
+                )
+                .unwrap();
+            passed("tf32", &v)?;
+            let v = oracle
+                .check(
+                    &(&faults::forward(&p32, Fault::None, Rounding::Tf32Truncate)).into(),
+                    Precision::Tf32,
+                )
+                .unwrap();
+            passed("tf32 (truncating)", &v)?;
+            let pb = round_inputs(&p, FloatDtype::BF16).unwrap().cast::<f32>();
+            let v = oracle
+                .check(
+                    &(&faults::forward(&pb, Fault::None, Rounding::Bf16)).into(),
+                    Precision::Bf16,
+                )
+                .unwrap();
+            passed("bf16", &v)
+        },
+    );
 }
 
 /// For each fault: on how many of the default number of fuzz cases it is flagged, at f32 and
 /// at TF32. Prints the table of `docs/tolerances.md`.
 #[test]
 fn every_fault_is_caught_by_the_fuzz_suite() {
-    // The default count, whatever PROPTEST_CASES says: the claim is about the default suite.
-    let n = DEFAULT_CASES as usize;
-    let cases = fixed_cases(n, 7);
+    // The default cases, whatever SSD_FUZZ_CASES says: the claim is about the default suite.
+    let n = DEFAULT_CASES;
+    let cases = cases(n, DEFAULT_SEED);
     // Per case: for each fault, (flagged at f32, flagged at tf32).
     let flags: Vec<Vec<(bool, bool)>> = cases
         .par_iter()
@@ -140,50 +170,36 @@ fn tf32_result_fails_the_f32_bound() {
     }
 }
 
-/// Shrinking works: the fuzz suite run on a planted fault fails, and proptest shrinks the
-/// failure to a small case that still shows the fault (printed for the record). Fixed runner
-/// seed: shrinking redraws the values from the case's seed at every step, so a fault that needs
-/// a particular value pattern (a reset exactly at a chunk start) may stop shrinking early; the
+/// Shrinking works: the fuzz suite run on a planted fault fails, and the harness shrinks the
+/// first failing case to a small case that still shows the fault (printed for the record).
+/// Shrinking redraws the values from the case's seed at every step, so a fault that needs a
+/// particular value pattern (a reset exactly at a chunk start) may stop shrinking early; the
 /// faults here need only sizes and options.
 #[test]
 fn planted_faults_shrink_to_small_cases() {
-    use proptest::test_runner::{Config, RngAlgorithm, TestError, TestRng, TestRunner};
+    let all = cases(DEFAULT_CASES, DEFAULT_SEED);
     for fault in [
         Fault::CausalMaskOffByOne,
         Fault::GroupModulo,
         Fault::LastPartialChunk,
         Fault::DAfterGate,
     ] {
-        let config = Config {
-            cases: DEFAULT_CASES,
-            failure_persistence: None,
-            ..Config::default()
-        };
-        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[3; 32]);
-        let mut runner = TestRunner::new_with_rng(config, rng);
-        let result = runner.run(&case_strategy(), |case| {
+        let check = |case: &ssd_verify::fuzz::FuzzCase| {
             let p = case.problem();
             let c: Candidate = (&faults::forward(&p.cast::<f32>(), fault, Rounding::None)).into();
-            let v = Oracle::new(&p).check(&c, Precision::F32).unwrap();
-            prop_assert!(v.passed());
-            Ok(())
-        });
-        match result {
-            Err(TestError::Fail(_, minimal)) => {
-                let d = minimal.spec.dims;
-                println!("{fault:?} shrinks to {minimal}");
-                let size = d.batch * d.seqlen * d.nheads * d.headdim * d.dstate;
-                assert!(
-                    size <= 64,
-                    "{fault:?}: the shrunk case is still large: {minimal}"
-                );
-                // Still failing, by construction of the shrinker; check it once more.
-                let p = minimal.problem();
-                let c: Candidate =
-                    (&faults::forward(&p.cast::<f32>(), fault, Rounding::None)).into();
-                assert!(!Oracle::new(&p).check(&c, Precision::F32).unwrap().passed());
-            }
-            other => panic!("{fault:?} was not found by the fuzz suite: {other:?}"),
-        }
+            passed("f32", &Oracle::new(&p).check(&c, Precision::F32).unwrap())
+        };
+        let failed = failures(&all, check);
+        let Some((first, why)) = failed.first() else {
+            panic!("{fault:?} was not found by the fuzz suite");
+        };
+        let (minimal, _) = shrink(first, why.clone(), check);
+        println!("{fault:?} shrinks to {minimal}");
+        assert!(
+            minimal.size() <= 64,
+            "{fault:?}: the shrunk case is still large: {minimal}"
+        );
+        // Still failing, by construction of the shrinker; check it once more.
+        assert!(check(&minimal).is_err());
     }
 }

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use gpu_support::*;
 use rayon::prelude::*;
 use ssd_gpu::{Gpu, Variant};
-use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use ssd_reference::random::{
+    random_pair_spec, random_problem, random_spec, DSkip, ProblemSpec, SeqIdx, SpecRng,
+};
 use ssd_reference::{Dims, Options};
 
 /// What one kernel variant gave on a list of cases.
@@ -100,7 +102,7 @@ fn gpu_fuzz_matches_float64_reference() {
     };
     let cases = env_usize("SSD_GPU_CASES", 2000);
     let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = Rng::new(0x55D_0000 + first);
+    let mut rng = SpecRng::new(0x55D_0000 + first);
     let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
         .map(|k| (random_spec(&mut rng, 4_000_000), first + k))
         .collect();
@@ -133,7 +135,7 @@ fn gpu_fuzz_pair_kernel_shapes() {
     let gpu = &gpus[0].1;
     let cases = env_usize("SSD_GPU_PAIR_CASES", 400);
     let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = Rng::new(0x9A1_0000 + first);
+    let mut rng = SpecRng::new(0x9A1_0000 + first);
     let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
         .map(|k| (random_pair_spec(&mut rng, 4_000_000), 7_000_000 + first + k))
         .collect();
@@ -192,7 +194,7 @@ fn gpu_is_bitwise_reproducible() {
     let Some(gpus) = gpus_or_skip("gpu_is_bitwise_reproducible") else {
         return;
     };
-    let mut rng = Rng::new(77);
+    let mut rng = SpecRng::new(77);
     let mut specs: Vec<ProblemSpec> = (0..6).map(|_| random_spec(&mut rng, 4_000_000)).collect();
     specs.push(ProblemSpec::full(
         Dims {

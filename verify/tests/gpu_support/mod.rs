@@ -1,6 +1,7 @@
 //! Shared by the GPU tests (`verify/tests/gpu_*.rs`): getting the device (one per kernel
-//! variant) or skipping, random problem specs, and the comparison against the float64 reference under the TF32 error
-//! model (`ssd_verify::tolerance`, `docs/tolerances.md`).
+//! variant) or skipping, and the comparison against the float64 reference under the TF32 error
+//! model (`ssd_verify::tolerance`, `docs/tolerances.md`). Random specs come from
+//! `ssd_reference::random` (`random_spec`, `random_pair_spec`).
 //!
 //! Without a usable GPU every GPU test prints "skipped: no CUDA device" (or driver) and passes;
 //! with `SSD_REQUIRE_GPU=1` in the environment that skip is a failure instead.
@@ -10,8 +11,8 @@
 use std::sync::Arc;
 
 use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
-use ssd_reference::random::{DSkip, ProblemSpec, SeqIdx};
-use ssd_reference::{Dims, Options, Problem};
+use ssd_reference::random::ProblemSpec;
+use ssd_reference::Problem;
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
 
 /// The device, or `None` after printing why the test is skipped.
@@ -67,138 +68,6 @@ pub fn env_usize(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// splitmix64: the specs' random stream (seeded, the same on every machine).
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    /// True with probability `p`.
-    pub fn chance(&mut self, p: f64) -> bool {
-        ((self.next() >> 11) as f64) / ((1u64 << 53) as f64) < p
-    }
-    pub fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.range(0, v.len() - 1)]
-    }
-}
-
-/// A random spec over every size and option of the contract: ragged seqlen, chunk sizes 1 to
-/// 1024, ngroups > 1, headdim and dstate off the 64-wide tiles (dstate up to the 256 limit),
-/// every optional tensor, seq_idx (segments, resets at chunk starts, leading run not 0),
-/// softplus, dt_limit, and decays from none (A = 0) to very strong. The naive cost
-/// `batch * seqlen * nheads * headdim * dstate` is capped at `cap`.
-pub fn random_spec(rng: &mut Rng, cap: usize) -> ProblemSpec {
-    let chunk_size = if rng.chance(0.05) {
-        rng.pick(&[512usize, 1024])
-    } else {
-        1 << rng.range(0, 8)
-    };
-    let ngroups = rng.range(1, 3);
-    let nheads = ngroups * rng.range(1, 3);
-    let headdim = if rng.chance(0.5) {
-        rng.pick(&[1usize, 8, 16, 32, 63, 64, 65, 80, 128])
-    } else {
-        rng.range(1, 96)
-    };
-    let dstate = if rng.chance(0.08) {
-        rng.pick(&[255usize, 256])
-    } else if rng.chance(0.5) {
-        rng.pick(&[1usize, 16, 32, 64, 100, 128])
-    } else {
-        rng.range(1, 140)
-    };
-    let batch = rng.range(1, 3);
-    let mut seqlen = match rng.range(0, 3) {
-        0 => rng.range(1, 16),
-        1 => rng.range(1, 3 * chunk_size.min(256) + 7),
-        _ => rng.range(1, 700),
-    };
-    let per_token = batch * nheads * headdim * dstate;
-    seqlen = seqlen.min((cap / per_token).max(1));
-    let dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
-    let dt_softplus = rng.chance(0.5);
-    let dt_limit = match rng.range(0, 3) {
-        0 | 1 => (0.0, f64::INFINITY),
-        2 => (0.001, 0.5),
-        _ => (0.01, 0.1),
-    };
-    let seq_idx = match rng.range(0, 5) {
-        0 | 1 => SeqIdx::None,
-        2 => SeqIdx::Segments {
-            segments: rng.range(1, 5),
-            first: 0,
-        },
-        3 => SeqIdx::Segments {
-            segments: rng.range(1, 4),
-            first: rng.range(0, 1) as i64,
-        },
-        _ => SeqIdx::AtChunkStarts {
-            every: rng.range(1, 2),
-        },
-    };
-    let a_range = match rng.range(0, 5) {
-        0 => (0.0, 0.0),
-        1 => (5.0, 30.0),
-        _ => (0.5, 8.0),
-    };
-    let dt_range = if dt_softplus {
-        (-4.0, 1.0)
-    } else if rng.chance(0.2) {
-        (0.0, 2.0)
-    } else {
-        (0.001, 0.2)
-    };
-    ProblemSpec {
-        dims,
-        options: Options {
-            chunk_size,
-            dt_softplus,
-            dt_limit,
-        },
-        d: rng.pick(&[DSkip::None, DSkip::PerHead, DSkip::PerChannel]),
-        z: rng.chance(0.5),
-        dt_bias: rng.chance(0.5),
-        initial_states: rng.chance(0.5),
-        seq_idx,
-        a_range,
-        dt_range,
-    }
-}
-
-/// A random spec of the shapes the output kernel over pairs of units serves (chunks of 128 to
-/// 512 tokens, seqlen past one 64-row tile, headdim and dstate multiples of 4, an even number
-/// of (head, 64 headdim columns) units per group), every option drawn as in [`random_spec`].
-pub fn random_pair_spec(rng: &mut Rng, cap: usize) -> ProblemSpec {
-    let mut spec = random_spec(rng, cap);
-    let ngroups = rng.range(1, 3);
-    let (headdim, heads_per_group) = if rng.chance(0.5) {
-        (4 * rng.range(1, 16), 2 * rng.range(1, 2))
-    } else {
-        (4 * rng.range(17, 32), rng.range(1, 3))
-    };
-    let dstate = 4 * rng.range(1, 64);
-    let chunk_size = rng.pick(&[128usize, 256, 256, 512]);
-    let batch = rng.range(1, 2);
-    let nheads = ngroups * heads_per_group;
-    let per_token = batch * nheads * headdim * dstate;
-    let seqlen = rng.range(65, 1100).min((cap / per_token).max(65));
-    spec.dims = Dims::new(batch, seqlen, nheads, headdim, ngroups, dstate);
-    spec.options.chunk_size = chunk_size;
-    spec
 }
 
 /// Rounds a float64 problem to f32 inputs (what the GPU gets) and back, so that the float64
