@@ -22,14 +22,19 @@
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;
+pub mod definition;
 mod flat;
 pub mod fwd_pass_state;
 mod gemm;
+pub mod magnitude;
 pub mod naive;
 mod prefetch;
 pub mod problem;
 pub mod random;
+mod scratch;
+pub mod simd;
 pub mod tf32;
+mod transpose;
 mod vexp;
 
 use ndarray::{Array4, Array5};

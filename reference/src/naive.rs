@@ -27,9 +27,9 @@
 use ndarray::{Array4, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
-use crate::compute_out::transpose_into;
 use crate::prefetch;
 use crate::problem::gate;
+use crate::transpose::transpose_into;
 use crate::{Output, Problem, Real};
 
 /// Runs the recurrence token by token, parallel over (batch, block of heads).
@@ -166,8 +166,17 @@ struct Task<'a, T> {
     fin: ArrayViewMut3<'a, T>,
 }
 
-/// Runs the recurrence for one task, [`TOKENS`] tokens at a time for all of its heads.
-fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
+crate::simd::multiversion! {
+    /// Runs the recurrence for one task, [`TOKENS`] tokens at a time for all of its heads
+    /// (compiled for AVX2 + FMA where the processor has them).
+    fn run_task[T: Real](p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
+        run_task_body(p, f, task)
+    }
+}
+
+/// [`run_task`]'s body.
+#[inline(always)]
+fn run_task_body<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
     let d = *p.dims();
     let i = p.inputs();
     let Task {
@@ -307,6 +316,14 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
     }
 }
 
+crate::simd::multiversion! {
+    /// [`sweep_body`], compiled for AVX2 + FMA where the processor has them (its fused
+    /// multiply-adds are then instructions, not library calls).
+    fn sweep[T: Real](st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
+        sweep_body(st, y, blk)
+    }
+}
+
 /// Runs one time block's tokens through the whole transposed state `st` (`dstate` rows of
 /// length `headdim`), adding `s_t[p, n] * C_t[n]` into `y[t, p]` for `n = 0, 1, ...` in order.
 ///
@@ -314,7 +331,8 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
 /// of the block passes; tiles are visited row block by row block, so each `y[t, p]` still
 /// receives its terms in increasing `n`: the same operations, in the same order, as updating
 /// the whole state token by token.
-fn sweep<T: Real>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
+#[inline(always)]
+fn sweep_body<T: Real>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
     let ds = blk.dstate;
     let mut n = 0;
     while n + ROWS <= ds {
