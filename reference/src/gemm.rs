@@ -302,7 +302,7 @@ impl Panel {
 /// kernels ([`simd`], one call for the whole panel), otherwise the loop below.
 // The loop is written with index loops over a local fixed-size accumulator that nothing else
 // touches: the shape in which LLVM's SLP vectoriser usually keeps the accumulators in vector
-// registers (not always: a variant with a second loop kept f32's in scalar stack slots).
+// registers.
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
 fn full_tiles<T: Real, const MR: usize, const NR: usize>(
@@ -315,11 +315,12 @@ fn full_tiles<T: Real, const MR: usize, const NR: usize>(
     kernels: Kernels,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if MR == 4
-        && kernels != Kernels::Generic
-        && simd::full_tiles(panel, a, b, c, ldc, epi, (NR, kernels == Kernels::Avx512))
-    {
-        return;
+    if MR == 4 && kernels != Kernels::Generic {
+        // SAFETY: the processor has AVX2 and FMA (`kernels` never exceeds
+        // [`Kernels::detect`]), and AVX-512F where `kernels` is `Avx512`.
+        if unsafe { full_tiles_x86::<T, NR>(panel, a, b, c, ldc, epi, kernels) } {
+            return;
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = kernels;
@@ -345,6 +346,27 @@ fn full_tiles<T: Real, const MR: usize, const NR: usize>(
             }
         }
     }
+}
+
+/// [`simd::full_tiles`] compiled for AVX2 + FMA, so that the AVX2 tile kernels are inlined
+/// into it (one function per panel, as the generic loop).
+///
+/// # Safety
+/// The processor must have AVX2 and FMA, and AVX-512F where `kernels` is `Avx512`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn full_tiles_x86<T: Real, const NR: usize>(
+    panel: Panel,
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    epi: Epilogue<'_, T>,
+    kernels: Kernels,
+) -> bool {
+    simd::full_tiles(panel, a, b, c, ldc, epi, (NR, kernels == Kernels::Avx512))
 }
 
 /// The full tiles in AVX2 + FMA (or AVX-512F) intrinsics, for f64 and f32: the same fused
@@ -374,6 +396,7 @@ mod simd {
     ///
     /// # Panics
     /// If an operand is too short for the tile.
+    #[inline(always)]
     pub(super) fn full_tiles<T: Real>(
         panel: Panel,
         a: Mat<'_, T>,
@@ -671,6 +694,7 @@ mod simd {
     /// the epilogue's factors (one, or one per row) valid for reads of the vectors' element
     /// type.
     /// As well, the processor must have AVX2 and FMA.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile<V: Vector, const NV: usize>(
         a: *const V::Elem,

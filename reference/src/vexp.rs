@@ -64,8 +64,8 @@ pub(crate) fn exp_f64(v: &mut [f64]) {
 /// diagonal take `exp(0)` and are then replaced by 0, so that no row ends in a scalar
 /// remainder, and the exponential still never sees an argument with `j > i`. One call for
 /// the whole triangle, so that the out-of-order core overlaps the exponentials' long
-/// dependency chains across rows (row by row, the average row of 4 vectors was bound by
-/// their latency). Inlined into the functions compiled for each instruction set.
+/// dependency chains across rows (a row of a few vectors alone is bound by their latency).
+/// Inlined into the functions compiled for each instruction set.
 #[inline(always)]
 fn decay_lower<T: Real, const W: usize>(
     l: usize,
