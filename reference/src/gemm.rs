@@ -509,7 +509,7 @@ mod simd {
         ScaleRows(*const ()),
     }
 
-    /// An AVX2 vector of f64 or f32 and the five operations the tile needs.
+    /// A vector of f64 or f32 and the operations the tile needs.
     ///
     /// # Safety
     /// The pointer arguments must be valid for `LANES` elements (one for `splat`).
@@ -524,17 +524,20 @@ mod simd {
         unsafe fn add(a: Self, b: Self) -> Self;
         unsafe fn mul(a: Self, b: Self) -> Self;
         unsafe fn store(p: *mut Self::Elem, v: Self);
+        /// `v` unchanged, computed before the loads that follow in the source (an empty
+        /// `asm!` block for AVX2 vectors, see [`fence_pd`]; nothing for AVX-512 ones).
+        unsafe fn fence(v: Self) -> Self;
     }
 
     macro_rules! vector {
         ($(#[$attr:meta])*; $v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident,
-         $fmadd:ident, $add:ident, $mul:ident, $store:ident) => {
+         $fmadd:ident, $add:ident, $mul:ident, $store:ident, $fence:path) => {
             // (unsafe blocks around the intrinsics that are safe inside an AVX-512 function)
             #[allow(unused_unsafe)]
             impl Vector for $v {
                 type Elem = $e;
                 const LANES: usize = $lanes;
-                // SAFETY (all seven): the functions carry their instruction sets'
+                // SAFETY (all eight): the functions carry their instruction sets'
                 // `target_feature` attributes and are only called from kernels compiled for
                 // them, which run only where the processor has those; the caller passes
                 // pointers valid for the lanes read or written.
@@ -566,9 +569,45 @@ mod simd {
                 unsafe fn store(p: *mut $e, v: Self) {
                     unsafe { $store(p, v) }
                 }
+                $(#[$attr])*
+                unsafe fn fence(v: Self) -> Self {
+                    $fence(v)
+                }
             }
         };
     }
+    // `fence_pd` and `fence_ps` return `v` unchanged, passed through an empty `asm!` block
+    // that keeps it in its register. The block has side effects, so the compiler keeps it in
+    // program order with the loads and the other such blocks: the fused multiply-add that
+    // computes `v` stays before the loads that follow it in the source. The 4 x 3 AVX2 tile
+    // (twelve accumulators, three vectors of `b` and one broadcast of `a`: all sixteen
+    // registers) needs that: in a function with AVX2 enabled on a baseline build, the
+    // instruction scheduler (tuned for a generic x86-64, not for x86-64-v3 as a build with
+    // `-C target-cpu=x86-64-v3` is) moves the next row's broadcast above the last
+    // multiply-adds of a row, and the seventeenth live vector goes through the stack, with
+    // register moves around it, in every step of `k`.
+    macro_rules! fence_256 {
+        ($name:ident, $v:ty) => {
+            /// `v` unchanged, in the order of the source (see the comment above `fence_256`).
+            #[inline]
+            #[target_feature(enable = "avx2,fma")]
+            fn $name(mut v: $v) -> $v {
+                // SAFETY: the block is empty: it reads and writes no memory, touches no flags
+                // or stack, and leaves the register it names as it found it (a `ymm` register,
+                // which this function, compiled for AVX2, may use).
+                unsafe {
+                    std::arch::asm!(
+                        "/* {0} */",
+                        inout(ymm_reg) v,
+                        options(nomem, nostack, preserves_flags)
+                    );
+                }
+                v
+            }
+        };
+    }
+    fence_256!(fence_pd, __m256d);
+    fence_256!(fence_ps, __m256);
     /// `_mm256_broadcast_sd` by value.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -593,7 +632,8 @@ mod simd {
         _mm256_fmadd_pd,
         _mm256_add_pd,
         _mm256_mul_pd,
-        _mm256_storeu_pd
+        _mm256_storeu_pd,
+        fence_pd
     );
     vector!(
         #[inline]
@@ -607,7 +647,8 @@ mod simd {
         _mm256_fmadd_ps,
         _mm256_add_ps,
         _mm256_mul_ps,
-        _mm256_storeu_ps
+        _mm256_storeu_ps,
+        fence_ps
     );
     vector!(
         #[inline]
@@ -621,7 +662,8 @@ mod simd {
         _mm512_fmadd_pd,
         _mm512_add_pd,
         _mm512_mul_pd,
-        _mm512_storeu_pd
+        _mm512_storeu_pd,
+        std::convert::identity
     );
     vector!(
         #[inline]
@@ -635,7 +677,8 @@ mod simd {
         _mm512_fmadd_ps,
         _mm512_add_ps,
         _mm512_mul_ps,
-        _mm512_storeu_ps
+        _mm512_storeu_ps,
+        std::convert::identity
     );
 
     /// The body of [`tile`] and [`tile_512`] (the same code, compiled for AVX2 or AVX-512).
@@ -660,6 +703,11 @@ mod simd {
                         let av = <$V>::splat(a.add(r * g.a_rs + kk * g.a_cs));
                         for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
                             *acc_rv = <$V>::fmadd(av, bvv, *acc_rv);
+                            // The widest AVX2 tile fills the sixteen registers: keep its
+                            // multiply-adds in the order written (see `fence_pd`).
+                            if $NV >= 3 {
+                                *acc_rv = <$V>::fence(*acc_rv);
+                            }
                         }
                     }
                 }
