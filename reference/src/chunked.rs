@@ -19,11 +19,13 @@ use ndarray::{s, Array4, Array5, ArrayViewMut3, ArrayViewMut4, ArrayViewMut5, Ax
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::{chunk_cumsum, ChunkCumsum};
-use crate::compute_out::{compute_out, out_block, transpose_into, Cell, HeadStates, OutScratch};
+use crate::compute_out::{compute_out, out_block, HeadStates};
 use crate::flat::Flat;
 use crate::fwd_pass_state::{fwd_pass_state, local_state_t, pass_scale, StateScratch};
 use crate::gemm::Epilogue;
 use crate::prefetch;
+use crate::scratch::OutScratch;
+use crate::transpose::{transpose_into, Cell};
 use crate::{MatmulPrecision, Output, Problem, Real};
 
 /// How [`forward_with`] orders the work of stages 2 and 3 (stage 1 always runs first).

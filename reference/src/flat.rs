@@ -84,3 +84,20 @@ impl<'a, T: Real> Flat<'a, T> {
         Self::s(&self.cum)[((b * d.nheads + h) * self.p.nchunks() + c) * cs + cs - 1]
     }
 }
+
+/// `dst = x_c` (`L x headdim`, row-major) of row `b`, chunk `c`, head `h`, rounded to TF32
+/// under [`MatmulPrecision::Tf32`]: a contiguous copy (rows of `x` are `nheads * headdim`
+/// apart; used in place they would compete for the same cache sets).
+pub(crate) fn copy_x_c<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize), dst: &mut [T]) {
+    let p = f.p;
+    let hd = p.dims().headdim;
+    let t0 = c * p.options().chunk_size;
+    let x_flat = f.x();
+    for (row, j) in dst.chunks_exact_mut(hd).zip(0..) {
+        let off = f.x_off(b, t0 + j, h);
+        row.copy_from_slice(&x_flat[off..off + hd]);
+    }
+    if f.tf32 {
+        crate::tf32::round_all(dst);
+    }
+}

@@ -35,13 +35,14 @@
 //! Under [`MatmulPrecision::Tf32`] the two operands of the chunk-state product, `x_c` and the
 //! already-scaled `diag(w) B_c`, are rounded to TF32 ([`Real::round_tf32`]); `w` itself, the
 //! product's accumulation and the state pass stay in `T`.
-use ndarray::{s, Array4, Array5, ArrayView2, Axis};
+use ndarray::{s, Array4, Array5, ArrayView2, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
 use crate::chunk_cumsum::ChunkCumsum;
-use crate::compute_out::{copy_x_c, round_all, scratch};
-use crate::flat::Flat;
+use crate::flat::{copy_x_c, Flat};
 use crate::gemm::{gemm, Epilogue, Mat, Tri};
+use crate::scratch::scratch;
+use crate::tf32::round_all;
 use crate::{MatmulPrecision, Problem, Real};
 
 /// Output of [`fwd_pass_state`].
@@ -291,7 +292,7 @@ pub fn state_passing<T: Real>(
         .into_par_iter()
         .zip(fin)
         .enumerate()
-        .for_each(|(bh, (mut v, s))| {
+        .for_each(|(bh, (v, s))| {
             let (b, h) = (bh / d.nheads, bh % d.nheads);
             if let Some(s0) = init {
                 let s0: ArrayView2<T> = s0.slice(s![b, h, .., ..]);
@@ -299,28 +300,44 @@ pub fn state_passing<T: Real>(
                     *dst = *src;
                 }
             }
-            let mut seq_prev = 0i64;
-            for c in 0..nc {
-                let (scale, seq_new) = pass_scale(&f, (b, h, c), seq_prev);
-                seq_prev = seq_new;
-                let mut local = v.index_axis_mut(Axis(0), c);
-                let step = |dst: &mut T, run: &mut T| {
-                    let own = *dst;
-                    *dst = *run;
-                    *run = scale.mul_add(*run, own);
-                };
-                match local.as_slice_mut() {
-                    // the usual case: a contiguous [headdim, dstate] block, vectorised
-                    Some(local) => local
-                        .iter_mut()
-                        .zip(s.iter_mut())
-                        .for_each(|(d, r)| step(d, r)),
-                    None => local
-                        .iter_mut()
-                        .zip(s.iter_mut())
-                        .for_each(|(d, r)| step(d, r)),
-                }
-            }
+            pass_lane(&f, (b, h), v, s);
         });
     final_states
+}
+
+crate::simd::multiversion! {
+    /// The pass of [`state_passing`] for row `b`, head `h` (`bh`): `states[b, :, h]` in `v`,
+    /// the running state (the initial state on entry, the final one on return) in `s`
+    /// (compiled for AVX2 + FMA where the processor has them).
+    fn pass_lane[T: Real](
+        f: &Flat<'_, T>,
+        bh: (usize, usize),
+        v: ArrayViewMut3<'_, T>,
+        s: &mut [T],
+    ) {
+        let (b, h) = bh;
+        let mut v = v;
+        let mut seq_prev = 0i64;
+        for c in 0..f.p.nchunks() {
+            let (scale, seq_new) = pass_scale(f, (b, h, c), seq_prev);
+            seq_prev = seq_new;
+            let mut local = v.index_axis_mut(Axis(0), c);
+            let step = |dst: &mut T, run: &mut T| {
+                let own = *dst;
+                *dst = *run;
+                *run = scale.mul_add(*run, own);
+            };
+            match local.as_slice_mut() {
+                // the usual case: a contiguous [headdim, dstate] block, vectorised
+                Some(local) => local
+                    .iter_mut()
+                    .zip(s.iter_mut())
+                    .for_each(|(d, r)| step(d, r)),
+                None => local
+                    .iter_mut()
+                    .zip(s.iter_mut())
+                    .for_each(|(d, r)| step(d, r)),
+            }
+        }
+    }
 }

@@ -7,8 +7,8 @@
 //! of 4 rows by up to three AVX2 vectors (4 x 12 for f64, 4 x 24 for f32: twelve independent
 //! accumulators) or, where the processor has AVX-512 (detected at run time, [`Kernels`]), up
 //! to four AVX-512 vectors (4 x 32 for f64, 4 x 64 for f32: sixteen accumulators),
-//! broadcasting `a[i, k]` and loading `b[k, j..j + NR]`: intrinsics where the build has AVX2
-//! and FMA (the default here, `.cargo/config.toml`), a generic loop otherwise.
+//! broadcasting `a[i, k]` and loading `b[k, j..j + NR]`: intrinsics where the processor has
+//! AVX2 and FMA ([`crate::simd::isa`]), a generic loop otherwise.
 //!
 //! Every entry is `sum_k a[i, k] b[k, j]` accumulated by one fused multiply-add per `k`, in
 //! increasing `k`, starting from 0; the [`Epilogue`] then stores that sum, or combines it with
@@ -79,32 +79,31 @@ impl<T: Real> Epilogue<'_, T> {
     }
 }
 
-/// The register-tile kernels a product runs on: AVX2 (16 vector registers of 256 bits) or,
-/// where the processor has it (detected at run time), AVX-512 (32 registers of 512 bits).
-/// Both compute every entry by the same fused multiply-adds in the same order: the same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The register-tile kernels a product runs on: a generic loop, AVX2 (16 vector registers of
+/// 256 bits) or AVX-512 (32 registers of 512 bits), as the processor allows (detected at run
+/// time). All compute every entry by the same fused multiply-adds in the same order: the same
+/// bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Kernels {
+    /// The generic loop, compiled for the target's baseline (`mul_add` may be a library call).
+    Generic,
     /// 4-row tiles of 3, 2 and 1 AVX2 vectors (f64: 12, 8, 4 columns).
     Avx2,
     /// 4-row tiles of 4, 2 and 1 AVX-512 vectors (f64: 32, 16, 8 columns: sixteen
     /// accumulators, which AVX2's 16 registers cannot hold with their operands), then one
-    /// AVX2 vector. At 64 columns of f64 the AVX2 tiles split 4 x 12 + 2 x 8, and the 8-wide
-    /// tiles ran at 75% of the FMA peak against 91% for the 12-wide ones.
+    /// AVX2 vector. At 64 columns of f64 the AVX2 tiles split 4 x 12 + 2 x 8, and 8-wide
+    /// tiles keep fewer FMAs in flight than 12-wide ones.
     Avx512,
 }
 
 impl Kernels {
-    /// The widest kernels this processor runs (AVX-512 needs a build with AVX2 and FMA).
+    /// The widest kernels allowed now ([`crate::simd::isa`]).
     pub(crate) fn detect() -> Self {
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma"
-        ))]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Kernels::Avx512;
+        match crate::simd::isa() {
+            crate::simd::Isa::Generic => Kernels::Generic,
+            crate::simd::Isa::Avx2 => Kernels::Avx2,
+            crate::simd::Isa::Avx512 => Kernels::Avx512,
         }
-        Kernels::Avx2
     }
 }
 
@@ -128,8 +127,8 @@ pub(crate) fn gemm<T: Real>(
     gemm_on(Kernels::detect(), shape, a, b, c, ldc, epi, tri);
 }
 
-/// [`gemm`] on the given kernels (the tests run both where the processor has AVX-512;
-/// `Avx512` on a processor without it runs `Avx2`).
+/// [`gemm`] on the given kernels, or the widest allowed where those are wider (the tests run
+/// every kernel the processor has).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_on<T: Real>(
     kernels: Kernels,
@@ -145,17 +144,25 @@ pub(crate) fn gemm_on<T: Real>(
     if let Epilogue::ScaleRows(f) = epi {
         assert!(f.len() >= m, "a row factor per row of c");
     }
-    let wide = kernels == Kernels::Avx512 && Kernels::detect() == Kernels::Avx512;
-    let args = ((m, n, k), a, b, c, ldc, epi, tri, wide);
-    match (std::mem::size_of::<T>() == 8, wide) {
-        (true, false) => tiles::<T, 4, 12, 8, 4, 4>(args),
-        (true, true) => tiles::<T, 4, 32, 16, 8, 4>(args),
-        (false, false) => tiles::<T, 4, 24, 16, 8, 8>(args),
-        (false, true) => tiles::<T, 4, 64, 32, 16, 8>(args),
+    let kernels = kernels.min(Kernels::detect());
+    run_tiles(((m, n, k), a, b, c, ldc, epi, tri, kernels));
+}
+
+crate::simd::multiversion! {
+    /// [`tiles`] for the element type and kernels, compiled for AVX2 + FMA where the processor
+    /// has them (the edges' single entries and epilogues, inlined here, use `mul_add`).
+    fn run_tiles[T: Real](args: TileArgs<'_, '_, T>) {
+        let wide = args.7 == Kernels::Avx512;
+        match (std::mem::size_of::<T>() == 8, wide) {
+            (true, false) => tiles::<T, 4, 12, 8, 4, 4>(args),
+            (true, true) => tiles::<T, 4, 32, 16, 8, 4>(args),
+            (false, false) => tiles::<T, 4, 24, 16, 8, 8>(args),
+            (false, true) => tiles::<T, 4, 64, 32, 16, 8>(args),
+        }
     }
 }
 
-/// The arguments of [`tiles`]: [`gemm`]'s, and whether the AVX-512 kernels run.
+/// The arguments of [`tiles`]: [`gemm`]'s, and the kernels that run.
 type TileArgs<'a, 'c, T> = (
     (usize, usize, usize),
     Mat<'a, T>,
@@ -164,7 +171,7 @@ type TileArgs<'a, 'c, T> = (
     usize,
     Epilogue<'a, T>,
     Tri,
-    bool,
+    Kernels,
 );
 
 /// Tiles of `MR` rows by `NR` columns (three AVX2 or four AVX-512 vectors: twelve or sixteen
@@ -178,6 +185,7 @@ type TileArgs<'a, 'c, T> = (
 /// of `b` (`k x NR`, 16 KB at 64 x 32 f64) stays in L1 while the row blocks pass, where row
 /// block by row block all of `b` went through L1 once per 4 rows. `LowerC`, whose column
 /// range ends at each row block's diagonal, goes row block by row block.
+#[inline(always)]
 fn tiles<
     T: Real,
     const MR: usize,
@@ -186,7 +194,7 @@ fn tiles<
     const NR2: usize,
     const NR3: usize,
 >(
-    ((m, n, k), a, b, c, ldc, epi, tri, wide): TileArgs<'_, '_, T>,
+    ((m, n, k), a, b, c, ldc, epi, tri, kernels): TileArgs<'_, '_, T>,
 ) {
     // The width of the next column tile when `rem` columns are left (None: single entries).
     let next = |rem: usize| {
@@ -203,10 +211,10 @@ fn tiles<
         }
     };
     let tile = |panel: Panel, nr: usize, c: &mut [T]| match nr {
-        _ if nr == NR => full_tiles::<T, MR, NR>(panel, a, b, c, ldc, epi, wide),
-        _ if nr == NRM => full_tiles::<T, MR, NRM>(panel, a, b, c, ldc, epi, wide),
-        _ if nr == NR2 => full_tiles::<T, MR, NR2>(panel, a, b, c, ldc, epi, wide),
-        _ => full_tiles::<T, MR, NR3>(panel, a, b, c, ldc, epi, wide),
+        _ if nr == NR => full_tiles::<T, MR, NR>(panel, a, b, c, ldc, epi, kernels),
+        _ if nr == NRM => full_tiles::<T, MR, NRM>(panel, a, b, c, ldc, epi, kernels),
+        _ if nr == NR2 => full_tiles::<T, MR, NR2>(panel, a, b, c, ldc, epi, kernels),
+        _ => full_tiles::<T, MR, NR3>(panel, a, b, c, ldc, epi, kernels),
     };
     // Entries one at a time: the same sums.
     let single = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, c: &mut [T]| {
@@ -290,11 +298,11 @@ impl Panel {
     }
 }
 
-/// The full `MR x NR` tiles of a [`Panel`] of `c`: in AVX2 or AVX-512 intrinsics where the
-/// build has AVX2 and FMA ([`simd`], one call for the whole panel), otherwise the loop below.
+/// The full `MR x NR` tiles of a [`Panel`] of `c`: in AVX2 or AVX-512 intrinsics on those
+/// kernels ([`simd`], one call for the whole panel), otherwise the loop below.
 // The loop is written with index loops over a local fixed-size accumulator that nothing else
 // touches: the shape in which LLVM's SLP vectoriser usually keeps the accumulators in vector
-// registers (not always: a variant with a second loop kept f32's in scalar stack slots).
+// registers.
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
 fn full_tiles<T: Real, const MR: usize, const NR: usize>(
@@ -304,22 +312,18 @@ fn full_tiles<T: Real, const MR: usize, const NR: usize>(
     c: &mut [T],
     ldc: usize,
     epi: Epilogue<'_, T>,
-    wide: bool,
+    kernels: Kernels,
 ) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    if MR == 4 && simd::full_tiles(panel, a, b, c, ldc, epi, (NR, wide)) {
-        return;
+    #[cfg(target_arch = "x86_64")]
+    if MR == 4 && kernels != Kernels::Generic {
+        // SAFETY: the processor has AVX2 and FMA (`kernels` never exceeds
+        // [`Kernels::detect`]), and AVX-512F where `kernels` is `Avx512`.
+        if unsafe { full_tiles_x86::<T, NR>(panel, a, b, c, ldc, epi, kernels) } {
+            return;
+        }
     }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    let _ = wide;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernels;
     let j0 = panel.j0;
     for q in 0..panel.blocks {
         let i0 = panel.i0 + MR * q;
@@ -344,16 +348,34 @@ fn full_tiles<T: Real, const MR: usize, const NR: usize>(
     }
 }
 
-/// The full tiles in AVX2 + FMA intrinsics, for f64 and f32: the same fused multiply-adds in
-/// the same order as the generic loop (so the same bits), with the accumulators in registers
-/// and no bounds checks inside the `k` loop (one check of the tile's extent before it). The
-/// generic loop relies on LLVM's SLP vectoriser, which kept some instances' accumulators in
-/// scalar stack slots, and checks every index of `a`.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+/// [`simd::full_tiles`] compiled for AVX2 + FMA, so that the AVX2 tile kernels are inlined
+/// into it (one function per panel, as the generic loop).
+///
+/// # Safety
+/// The processor must have AVX2 and FMA, and AVX-512F where `kernels` is `Avx512`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn full_tiles_x86<T: Real, const NR: usize>(
+    panel: Panel,
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    epi: Epilogue<'_, T>,
+    kernels: Kernels,
+) -> bool {
+    simd::full_tiles(panel, a, b, c, ldc, epi, (NR, kernels == Kernels::Avx512))
+}
+
+/// The full tiles in AVX2 + FMA (or AVX-512F) intrinsics, for f64 and f32: the same fused
+/// multiply-adds in the same order as the generic loop (so the same bits), with the
+/// accumulators in registers and no bounds checks inside the `k` loop (one check of the
+/// tile's extent before it). The generic loop relies on LLVM's SLP vectoriser, which does not
+/// always keep the accumulators in vector registers, and checks every index of `a`. Called
+/// only where the processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
 mod simd {
     use super::{Epilogue, Mat, Panel};
     use crate::Real;
@@ -367,11 +389,14 @@ mod simd {
         _mm512_set1_ps, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_storeu_pd, _mm512_storeu_ps,
     };
 
-    /// The `4 x nr` tile of `c` at `(i0, j0)` (see [`super::full_tile`]) when `T` is f64 or f32
-    /// and `nr` is 1, 2 or 3 vectors; returns false (nothing done) otherwise.
+    /// The `4 x nr` tiles of a panel of `c` (see [`super::full_tiles`]) when `T` is f64 or f32
+    /// and `nr` is 1, 2 or 3 AVX2 vectors (1, 2 or 4 AVX-512 ones where `wide`); returns false
+    /// (nothing done) otherwise. The caller has checked that the processor has AVX2 and FMA
+    /// (and AVX-512F where `wide`).
     ///
     /// # Panics
     /// If an operand is too short for the tile.
+    #[inline(always)]
     pub(super) fn full_tiles<T: Real>(
         panel: Panel,
         a: Mat<'_, T>,
@@ -437,9 +462,9 @@ mod simd {
         // so the casts keep the element type; every offset the kernel forms lies within the
         // extents asserted above (rows i0..i_last + 4 of a up to column k_last - 1, rows
         // 0..k_last of b and the same rows of c over nr columns, a whole number of vectors;
-        // each block's sum ends at or before k_last). AVX2 and FMA are
-        // enabled at compile time; the AVX-512 kernels run only where `wide` says the
-        // processor has AVX-512F (detected at run time, [`super::Kernels::detect`]).
+        // each block's sum ends at or before k_last). The processor has AVX2 and FMA (the
+        // caller's contract); the AVX-512 kernels run only where `wide` says it has
+        // AVX-512F (detected at run time, [`super::Kernels::detect`]).
         unsafe {
             match (f64_elems, zmm, nr / if zmm { lanes_512 } else { lanes }) {
                 (true, true, 1) => tile_512::<__m512d, 1>(a_p.cast(), b_p.cast(), c_p.cast(), &g),
@@ -484,7 +509,7 @@ mod simd {
         ScaleRows(*const ()),
     }
 
-    /// An AVX2 vector of f64 or f32 and the five operations the tile needs.
+    /// A vector of f64 or f32 and the operations the tile needs.
     ///
     /// # Safety
     /// The pointer arguments must be valid for `LANES` elements (one for `splat`).
@@ -499,20 +524,23 @@ mod simd {
         unsafe fn add(a: Self, b: Self) -> Self;
         unsafe fn mul(a: Self, b: Self) -> Self;
         unsafe fn store(p: *mut Self::Elem, v: Self);
+        /// `v` unchanged, computed before the loads that follow in the source (an empty
+        /// `asm!` block for AVX2 vectors, see [`fence_pd`]; nothing for AVX-512 ones).
+        unsafe fn fence(v: Self) -> Self;
     }
 
     macro_rules! vector {
         ($(#[$attr:meta])*; $v:ty, $e:ty, $lanes:expr, $zero:ident, $load:ident, $splat:ident,
-         $fmadd:ident, $add:ident, $mul:ident, $store:ident) => {
+         $fmadd:ident, $add:ident, $mul:ident, $store:ident, $fence:path) => {
             // (unsafe blocks around the intrinsics that are safe inside an AVX-512 function)
             #[allow(unused_unsafe)]
             impl Vector for $v {
                 type Elem = $e;
                 const LANES: usize = $lanes;
-                // SAFETY (all seven): AVX2 and FMA are enabled at compile time, and the AVX-512
-                // versions (with `target_feature` attributes) are only called where the
-                // processor has AVX-512F; the caller passes pointers valid for the lanes read
-                // or written.
+                // SAFETY (all eight): the functions carry their instruction sets'
+                // `target_feature` attributes and are only called from kernels compiled for
+                // them, which run only where the processor has those; the caller passes
+                // pointers valid for the lanes read or written.
                 $(#[$attr])*
                 unsafe fn zero() -> Self {
                     unsafe { $zero() }
@@ -541,23 +569,60 @@ mod simd {
                 unsafe fn store(p: *mut $e, v: Self) {
                     unsafe { $store(p, v) }
                 }
+                $(#[$attr])*
+                unsafe fn fence(v: Self) -> Self {
+                    $fence(v)
+                }
             }
         };
     }
+    // `fence_pd` and `fence_ps` return `v` unchanged, passed through an empty `asm!` block
+    // that keeps it in its register. The block has side effects, so the compiler keeps it in
+    // program order with the loads and the other such blocks: the fused multiply-add that
+    // computes `v` stays before the loads that follow it in the source. The 4 x 3 AVX2 tile
+    // (twelve accumulators, three vectors of `b` and one broadcast of `a`: all sixteen
+    // registers) needs that: in a function with AVX2 enabled on a baseline build, the
+    // instruction scheduler (tuned for a generic x86-64, not for x86-64-v3 as a build with
+    // `-C target-cpu=x86-64-v3` is) moves the next row's broadcast above the last
+    // multiply-adds of a row, and the seventeenth live vector goes through the stack, with
+    // register moves around it, in every step of `k`.
+    macro_rules! fence_256 {
+        ($name:ident, $v:ty) => {
+            /// `v` unchanged, in the order of the source (see the comment above `fence_256`).
+            #[inline]
+            #[target_feature(enable = "avx2,fma")]
+            fn $name(mut v: $v) -> $v {
+                // SAFETY: the block is empty: it reads and writes no memory, touches no flags
+                // or stack, and leaves the register it names as it found it (a `ymm` register,
+                // which this function, compiled for AVX2, may use).
+                unsafe {
+                    std::arch::asm!(
+                        "/* {0} */",
+                        inout(ymm_reg) v,
+                        options(nomem, nostack, preserves_flags)
+                    );
+                }
+                v
+            }
+        };
+    }
+    fence_256!(fence_pd, __m256d);
+    fence_256!(fence_ps, __m256);
     /// `_mm256_broadcast_sd` by value.
-    #[inline(always)]
-    unsafe fn splat_pd(v: f64) -> __m256d {
-        // SAFETY: AVX is enabled at compile time.
-        unsafe { _mm256_broadcast_sd(&v) }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn splat_pd(v: f64) -> __m256d {
+        _mm256_broadcast_sd(&v)
     }
     /// `_mm256_broadcast_ss` by value.
-    #[inline(always)]
-    unsafe fn splat_ps(v: f32) -> __m256 {
-        // SAFETY: AVX is enabled at compile time.
-        unsafe { _mm256_broadcast_ss(&v) }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn splat_ps(v: f32) -> __m256 {
+        _mm256_broadcast_ss(&v)
     }
     vector!(
-        #[inline(always)];
+        #[inline]
+        #[target_feature(enable = "avx2,fma")];
         __m256d,
         f64,
         4,
@@ -567,10 +632,12 @@ mod simd {
         _mm256_fmadd_pd,
         _mm256_add_pd,
         _mm256_mul_pd,
-        _mm256_storeu_pd
+        _mm256_storeu_pd,
+        fence_pd
     );
     vector!(
-        #[inline(always)];
+        #[inline]
+        #[target_feature(enable = "avx2,fma")];
         __m256,
         f32,
         8,
@@ -580,11 +647,12 @@ mod simd {
         _mm256_fmadd_ps,
         _mm256_add_ps,
         _mm256_mul_ps,
-        _mm256_storeu_ps
+        _mm256_storeu_ps,
+        fence_ps
     );
     vector!(
         #[inline]
-        #[target_feature(enable = "avx512f")];
+        #[target_feature(enable = "avx2,fma,avx512f")];
         __m512d,
         f64,
         8,
@@ -594,11 +662,12 @@ mod simd {
         _mm512_fmadd_pd,
         _mm512_add_pd,
         _mm512_mul_pd,
-        _mm512_storeu_pd
+        _mm512_storeu_pd,
+        std::convert::identity
     );
     vector!(
         #[inline]
-        #[target_feature(enable = "avx512f")];
+        #[target_feature(enable = "avx2,fma,avx512f")];
         __m512,
         f32,
         16,
@@ -608,7 +677,8 @@ mod simd {
         _mm512_fmadd_ps,
         _mm512_add_ps,
         _mm512_mul_ps,
-        _mm512_storeu_ps
+        _mm512_storeu_ps,
+        std::convert::identity
     );
 
     /// The body of [`tile`] and [`tile_512`] (the same code, compiled for AVX2 or AVX-512).
@@ -633,6 +703,11 @@ mod simd {
                         let av = <$V>::splat(a.add(r * g.a_rs + kk * g.a_cs));
                         for (acc_rv, &bvv) in acc_r.iter_mut().zip(&bv) {
                             *acc_rv = <$V>::fmadd(av, bvv, *acc_rv);
+                            // The widest AVX2 tile fills the sixteen registers: keep its
+                            // multiply-adds in the order written (see `fence_pd`).
+                            if $NV >= 3 {
+                                *acc_rv = <$V>::fence(*acc_rv);
+                            }
                         }
                     }
                 }
@@ -666,14 +741,16 @@ mod simd {
     /// LANES NV` of `c` (`r < 4 blocks`, `k` below the block's `k_end`) must be in bounds, and
     /// the epilogue's factors (one, or one per row) valid for reads of the vectors' element
     /// type.
+    /// As well, the processor must have AVX2 and FMA.
     #[inline]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn tile<V: Vector, const NV: usize>(
         a: *const V::Elem,
         b: *const V::Elem,
         c: *mut V::Elem,
         g: &Geometry,
     ) {
-        // SAFETY: the offsets are in bounds by the contract; AVX2 and FMA are enabled.
+        // SAFETY: the offsets are in bounds by the contract; the caller checked AVX2 and FMA.
         unsafe { tile_body!(V, NV, a, b, c, g) }
     }
 
@@ -681,7 +758,7 @@ mod simd {
     ///
     /// # Safety
     /// As [`tile`]; and the processor must have AVX-512F.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx2,fma,avx512f")]
     unsafe fn tile_512<V: Vector, const NV: usize>(
         a: *const V::Elem,
         b: *const V::Elem,
@@ -795,7 +872,7 @@ mod tests {
                 .collect();
             let mut want = c0.clone();
             reference((m, n, k), &a, &b, &mut want, ldc, epi, tri);
-            for kernels in [Kernels::Avx2, Kernels::Avx512] {
+            for kernels in [Kernels::Generic, Kernels::Avx2, Kernels::Avx512] {
                 let mut got = c0.clone();
                 gemm_on(kernels, (m, n, k), a, b, &mut got, ldc, epi, tri);
                 // LowerA skips exact zeros only; same order, so the results are identical

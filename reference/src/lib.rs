@@ -3,7 +3,8 @@
 //!
 //! Two algorithms compute it:
 //! - [`naive`]: the time-step recurrence, exactly as the fixture contract states it. In float64
-//!   this is the ground truth every other path is checked against.
+//!   this is the ground truth every other path is checked against. It is a tuned schedule of
+//!   [`definition`], the textbook loop over tokens, with the same bits.
 //! - [`chunked`]: the chunked "jump formula", stage by stage as the GPU kernels run it
 //!   ([`chunk_cumsum`], [`fwd_pass_state`], [`compute_out`]), with every intermediate returned.
 //!   The stage functions are public and can be run one by one; [`chunked::forward`] runs them
@@ -16,20 +17,29 @@
 //!
 //! The chunked path's matrix products are a small register-tiled kernel that reads its operands
 //! in place (every entry a chain of fused multiply-adds in increasing `k`), and its decays use a
-//! vectorised `exp` (within 2 ulp of the C library's). `docs/math.md` in the repository derives
-//! every equation and lists the TF32 rounding points.
+//! vectorised `exp` (within 2 ulp of the C library's). The vector code is chosen at run time
+//! ([`simd`]: AVX2 + FMA, AVX-512F, or portable code; `SSD_SIMD=off` forces the last), with the
+//! same bits on every path. [`magnitude`] computes the magnitudes and error budgets of every
+//! output that the error model of `ssd-verify` and the tests here bound errors with.
+//! `docs/math.md` in the repository derives every equation and lists the TF32 rounding points;
+//! `docs/cpu.md` says how the CPU code is built and how fast it runs.
 
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;
+pub mod definition;
 mod flat;
 pub mod fwd_pass_state;
 mod gemm;
+pub mod magnitude;
 pub mod naive;
 mod prefetch;
 pub mod problem;
 pub mod random;
+mod scratch;
+pub mod simd;
 pub mod tf32;
+mod transpose;
 mod vexp;
 
 use ndarray::{Array4, Array5};

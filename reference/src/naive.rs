@@ -1,23 +1,13 @@
 //! The naive time-step recurrence: the ground truth.
 //!
-//! For row `b`, head `h` (group `g = h / (nheads / ngroups)`), token by token:
-//!
-//! ```text
-//! dt'_t = clamp(softplus?(dt[b, t, h] + dt_bias[h]), lo, hi)
-//! a_t   = exp(dt'_t * A[h])               or 0 when seq_idx[b, t] != seq_idx[b, t - 1]
-//! s_t[p, n] = a_t * s_{t-1}[p, n] + (dt'_t * x[b, t, h, p]) * B[b, t, g, n]
-//! y_t[p]    = sum_n s_t[p, n] * C[b, t, g, n] + D[h(, p)] * x[b, t, h, p]
-//! out[b, t, h, p] = y_t[p] * (z * sigmoid(z))      z = z[b, t, h, p], when z is given
-//! ```
-//!
-//! with `s_{-1} = initial_states[b, h]` (or 0) and `seq_idx[b, -1] := 0` (mamba_ssm's rule: the
-//! initial state seeds only a leading run whose `seq_idx` is 0). A reset uses `a_t = 0`, which
-//! is exactly a reset: `0 * s + v = v` for finite `s`.
+//! It computes [`crate::definition`]'s textbook recurrence (one loop over tokens per row and
+//! head, read that for the equations) with the same operations in the same order, so with the
+//! same bits (the tests check it on every option), in a schedule tuned for speed.
 //!
 //! The state of one (row, head) is kept transposed, `dstate x headdim` row-major, so that both
 //! the update and `y_t` are element-wise over `headdim` (`y[p] += s[n, p] * C[n]`, summed over
 //! `n` in order): plain loops that LLVM turns into FMA vector code without reassociating any
-//! sum. Tokens go through in blocks of 8: each tile of the state (4 rows x 8
+//! sum (compiled for AVX2 + FMA where the processor has them, [`crate::simd`]). Tokens go through in blocks of 8: each tile of the state (4 rows x 8
 //! columns) is loaded into registers once per block and every token of the block updates it
 //! there, so the state crosses the caches once per block instead of once per token. Tiles go
 //! row block by row block, so each `y[p]` still receives its terms in increasing `n`: the same
@@ -27,9 +17,9 @@
 use ndarray::{Array4, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
-use crate::compute_out::transpose_into;
 use crate::prefetch;
 use crate::problem::gate;
+use crate::transpose::transpose_into;
 use crate::{Output, Problem, Real};
 
 /// Runs the recurrence token by token, parallel over (batch, block of heads).
@@ -64,9 +54,8 @@ pub fn forward_into<T: Real>(p: &Problem<T>, dst: &mut Output<T>) {
 }
 
 /// Tokens per time block: the state passes through registers once per block of this many
-/// tokens (their `u`, `y`, decays, B and C rows are staged first). Measured on 2 Zen 4
-/// cores at issue 2's shape: 8 beat 4, 6, 16 and 32 (the staged block and the tile's state
-/// rows stay in L1).
+/// tokens (their `u`, `y`, decays, B and C rows are staged first). 8 keeps the staged block
+/// and the tile's state rows in L1 while amortising each tile's loads over enough tokens.
 const TOKENS: usize = 8;
 /// State rows (`n`) held in registers by one tile.
 const ROWS: usize = 4;
@@ -166,8 +155,17 @@ struct Task<'a, T> {
     fin: ArrayViewMut3<'a, T>,
 }
 
-/// Runs the recurrence for one task, [`TOKENS`] tokens at a time for all of its heads.
-fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
+crate::simd::multiversion! {
+    /// Runs the recurrence for one task, [`TOKENS`] tokens at a time for all of its heads
+    /// (compiled for AVX2 + FMA where the processor has them).
+    fn run_task[T: Real](p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
+        run_task_body(p, f, task)
+    }
+}
+
+/// [`run_task`]'s body.
+#[inline(always)]
+fn run_task_body<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
     let d = *p.dims();
     let i = p.inputs();
     let Task {
@@ -242,7 +240,7 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
             }
             // This block's rows of B and C (prefetched into L2 a head earlier) into L1, all at
             // once before they are copied: copied straight from L2, each row (4 KiB from the
-            // last) waited for its lines in turn (the copies were 10% of a thread's time).
+            // last) would wait for its lines in turn.
             let bc0 = bc_row(t0) + g * ds;
             prefetch::rows_l1(f.bm, bc0, bc_rs, nt, ds);
             prefetch::rows_l1(f.cm, bc0, bc_rs, nt, ds);
@@ -307,6 +305,14 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
     }
 }
 
+crate::simd::multiversion! {
+    /// [`sweep_body`], compiled for AVX2 + FMA where the processor has them (its fused
+    /// multiply-adds are then instructions, not library calls).
+    fn sweep[T: Real](st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
+        sweep_body(st, y, blk)
+    }
+}
+
 /// Runs one time block's tokens through the whole transposed state `st` (`dstate` rows of
 /// length `headdim`), adding `s_t[p, n] * C_t[n]` into `y[t, p]` for `n = 0, 1, ...` in order.
 ///
@@ -314,7 +320,8 @@ fn run_task<T: Real>(p: &Problem<T>, f: &Flat<T>, task: Task<T>) {
 /// of the block passes; tiles are visited row block by row block, so each `y[t, p]` still
 /// receives its terms in increasing `n`: the same operations, in the same order, as updating
 /// the whole state token by token.
-fn sweep<T: Real>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
+#[inline(always)]
+fn sweep_body<T: Real>(st: &mut [T], y: &mut [T], blk: &TimeBlock<T>) {
     let ds = blk.dstate;
     let mut n = 0;
     while n + ROWS <= ds {

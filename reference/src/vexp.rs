@@ -1,5 +1,6 @@
-//! `exp` over a slice, in code LLVM vectorises (AVX2 + FMA as built, AVX-512 where the
-//! processor has it: the same operations, so the same bits), for the chunked path's decays.
+//! `exp` over a slice, in code LLVM vectorises (for AVX-512F, AVX2 + FMA or the baseline, as
+//! [`crate::simd`] selects: the same operations, so the same bits), for the chunked path's
+//! decays.
 //!
 //! The chunked path evaluates `exp(cs_i - cs_j)` for every pair `j <= i` of a chunk: a call to
 //! the C library's scalar `exp` per entry would cost more than the matrix products. This is
@@ -23,20 +24,28 @@
 use crate::Real;
 
 /// Runs `$body` (a loop over slices, with an element function inlined into it) compiled for
-/// AVX-512F where the processor has it (detected at run time): the same operations on wider
-/// vectors, so the same bits; as built (AVX2 + FMA by default) otherwise.
+/// the instruction set [`crate::simd::isa`] allows: AVX-512F, AVX2 + FMA, or the target's
+/// baseline. The same operations on vectors of different widths: the same bits.
 macro_rules! widest {
-    ($name:ident, ($($arg:ident: $ty:ty),*), $body:expr) => {{
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    (($($arg:ident: $ty:ty),*), $body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
         {
-            #[target_feature(enable = "avx512f")]
-            fn $name($($arg: $ty),*) {
+            use crate::simd::Isa;
+            #[target_feature(enable = "avx2,fma,avx512f")]
+            fn wide512($($arg: $ty),*) {
                 $body
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the processor has AVX-512F (checked just above).
-                unsafe { $name($($arg),*) };
-                return;
+            #[target_feature(enable = "avx2,fma")]
+            fn wide256($($arg: $ty),*) {
+                $body
+            }
+            match crate::simd::isa() {
+                // SAFETY: the processor has AVX-512F, AVX2 and FMA (`isa` never exceeds
+                // what was detected).
+                Isa::Avx512 => return unsafe { wide512($($arg),*) },
+                // SAFETY: the processor has AVX2 and FMA (as above).
+                Isa::Avx2 => return unsafe { wide256($($arg),*) },
+                Isa::Generic => {}
             }
         }
         $body
@@ -45,7 +54,7 @@ macro_rules! widest {
 
 /// `v = exp(v)` for every entry (f64, see the module documentation).
 pub(crate) fn exp_f64(v: &mut [f64]) {
-    widest!(wide, (v: &mut [f64]), v.iter_mut().for_each(|x| *x = exp1_f64(*x)))
+    widest!((v: &mut [f64]), v.iter_mut().for_each(|x| *x = exp1_f64(*x)))
 }
 
 /// The lower triangle of the chunked path's decayed `C B^T`, row-major `l x l`:
@@ -55,8 +64,8 @@ pub(crate) fn exp_f64(v: &mut [f64]) {
 /// diagonal take `exp(0)` and are then replaced by 0, so that no row ends in a scalar
 /// remainder, and the exponential still never sees an argument with `j > i`. One call for
 /// the whole triangle, so that the out-of-order core overlaps the exponentials' long
-/// dependency chains across rows (row by row, the average row of 4 vectors was bound by
-/// their latency). Inlined into the functions compiled for each instruction set.
+/// dependency chains across rows (a row of a few vectors alone is bound by their latency).
+/// Inlined into the functions compiled for each instruction set.
 #[inline(always)]
 fn decay_lower<T: Real, const W: usize>(
     l: usize,
@@ -91,7 +100,6 @@ fn decay_lower<T: Real, const W: usize>(
 /// [`decay_lower`] for f64 (rows in vectors of 8).
 pub(crate) fn decay_lower_f64(l: usize, cs: &[f64], g: &[f64], dt: &[f64], lmat: &mut [f64]) {
     widest!(
-        wide,
         (l: usize, cs: &[f64], g: &[f64], dt: &[f64], lmat: &mut [f64]),
         decay_lower::<f64, 8>(l, cs, g, dt, lmat, exp1_f64)
     )
@@ -128,13 +136,12 @@ fn pow2_f64(k: f64, magic: f64) -> f64 {
 
 /// `v = exp(v)` for every entry (f32, see the module documentation).
 pub(crate) fn exp_f32(v: &mut [f32]) {
-    widest!(wide, (v: &mut [f32]), v.iter_mut().for_each(|x| *x = exp1_f32(*x)))
+    widest!((v: &mut [f32]), v.iter_mut().for_each(|x| *x = exp1_f32(*x)))
 }
 
 /// [`decay_lower`] for f32 (rows in vectors of 16).
 pub(crate) fn decay_lower_f32(l: usize, cs: &[f32], g: &[f32], dt: &[f32], lmat: &mut [f32]) {
     widest!(
-        wide,
         (l: usize, cs: &[f32], g: &[f32], dt: &[f32], lmat: &mut [f32]),
         decay_lower::<f32, 16>(l, cs, g, dt, lmat, exp1_f32)
     )

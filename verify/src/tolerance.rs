@@ -27,7 +27,7 @@ use ssd_reference::{chunked, naive, ChunkedOutput, MatmulPrecision, Output, Prob
 
 use crate::error::VerifyError;
 use crate::fixture::{Dtype, Expected, Outputs};
-use crate::magnitude::{magnitudes, Channels, Magnitudes};
+use crate::magnitude::{magnitudes, Magnitudes};
 
 /// Multiplies the first-order budget: covers the second-order terms the analysis drops and
 /// one more rounded operand than the analysis counts.
@@ -191,18 +191,6 @@ impl OutputName {
 impl fmt::Display for OutputName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl Magnitudes {
-    /// The channels of one output.
-    pub fn channels(&self, name: OutputName) -> &Channels {
-        match name {
-            OutputName::Out => &self.out,
-            OutputName::FinalStates => &self.final_states,
-            OutputName::DACumsum => &self.dA_cumsum,
-            OutputName::ChunkStates => &self.chunk_states,
-        }
     }
 }
 

@@ -20,79 +20,17 @@ pub struct Magnitudes {
     pub chunk_states: Array5<f64>,
 }
 
-/// The recurrence run on absolute values: for every output, the sum of the absolute values
-/// of the terms it is made of,
-///
-/// ```text
-/// m_t[p, n]   = a_t m_{t-1}[p, n] + |dt'_t x_t[p]| |B_t[n]|       m_{-1} = |initial_states|
-/// out_mag_t[p] = (sum_n m_t[p, n] |C_t[n]| + |D x_t[p]|) * |z sigmoid(z)|
-/// ```
-///
-/// (`a_t = exp(dt'_t A) >= 0`, 0 on a reset). Any algorithm that sums these terms in some
-/// order with relative perturbations of at most `gamma` per term is within `gamma * mag` of
-/// the exact value: the bound every comparison below is stated against.
+/// For every output, the sum of the absolute values of the terms it is made of: the
+/// recurrence run on absolute values ([`ssd_reference::magnitude`], the magnitudes the error
+/// model of `ssd-verify` uses), with fixed dimensions. Any algorithm that sums these terms in
+/// some order with relative perturbations of at most `gamma` per term is within
+/// `gamma * mag` of the exact value: the bound every comparison below is stated against.
 pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
-    let d = *p.dims();
-    let i = p.inputs();
-    let cs = p.options().chunk_size;
-    let nc = p.nchunks();
-    let mut out = Array4::zeros((d.batch, d.seqlen, d.nheads, d.headdim));
-    let mut fin = Array4::zeros((d.batch, d.nheads, d.headdim, d.dstate));
-    let mut chunk = Array5::zeros((d.batch, nc, d.nheads, d.headdim, d.dstate));
-    for b in 0..d.batch {
-        for h in 0..d.nheads {
-            let g = d.group_of_head(h);
-            let mut m = vec![0.0; d.headdim * d.dstate];
-            if let Some(s0) = &i.initial_states {
-                for pp in 0..d.headdim {
-                    for n in 0..d.dstate {
-                        m[pp * d.dstate + n] = s0[[b, h, pp, n]].abs();
-                    }
-                }
-            }
-            let mut prev = 0;
-            for t in 0..d.seqlen {
-                if t % cs == 0 {
-                    for pp in 0..d.headdim {
-                        for n in 0..d.dstate {
-                            chunk[[b, t / cs, h, pp, n]] = m[pp * d.dstate + n];
-                        }
-                    }
-                }
-                let dt = p.dt_processed(b, t, h);
-                let seq = p.seq_idx_at(b, t);
-                let a = if seq == prev {
-                    (dt * i.A[h]).exp()
-                } else {
-                    0.0
-                };
-                prev = seq;
-                for pp in 0..d.headdim {
-                    let xv = i.x[[b, t, h, pp]];
-                    let mut y = (p.d_skip(h, pp) * xv).abs();
-                    for n in 0..d.dstate {
-                        let v = &mut m[pp * d.dstate + n];
-                        *v = a * *v + (dt * xv).abs() * i.B[[b, t, g, n]].abs();
-                        y += *v * i.C[[b, t, g, n]].abs();
-                    }
-                    if let Some(z) = &i.z {
-                        let zv = z[[b, t, h, pp]];
-                        y *= (zv / (1.0 + (-zv).exp())).abs();
-                    }
-                    out[[b, t, h, pp]] = y;
-                }
-            }
-            for pp in 0..d.headdim {
-                for n in 0..d.dstate {
-                    fin[[b, h, pp, n]] = m[pp * d.dstate + n];
-                }
-            }
-        }
-    }
+    let m = ssd_reference::magnitude::magnitudes(p);
     Magnitudes {
-        out,
-        final_states: fin,
-        chunk_states: chunk,
+        out: m.out.mag.into_dimensionality().expect("4 axes"),
+        final_states: m.final_states.mag.into_dimensionality().expect("4 axes"),
+        chunk_states: m.chunk_states.mag.into_dimensionality().expect("5 axes"),
     }
 }
 
