@@ -186,8 +186,8 @@ fn hints_name_the_faulty_stage() {
         right += a.right + b.right;
         wrong += a.wrong + b.wrong;
         none += a.none + b.none;
-        // Every fault gets the right stage on at least 9 in 10 of the cases it fails
-        // (measured: 60 of 62 at the least, see docs/tolerances.md).
+        // Every fault gets the right stage on at least 9 in 10 of the cases it fails (the
+        // measured counts are in docs/tolerances.md).
         if a.right == 0 || a.right * 10 < a.failing * 9 || b.right * 10 < b.failing * 9 {
             weak.push(format!("{f:?}"));
         }
@@ -280,7 +280,7 @@ fn hints_from_out_and_final_states_only() {
             }
         }
     }
-    // Measured: 1,533 of 1,603 (docs/tolerances.md).
+    // The measured share is in docs/tolerances.md.
     assert!(
         total.right * 10 >= total.failing * 9,
         "the right stage on fewer than 9 in 10 failing reports"
