@@ -19,6 +19,7 @@
 //! vectorised `exp` (within 2 ulp of the C library's). `docs/math.md` in the repository derives
 //! every equation and lists the TF32 rounding points.
 
+pub mod adjoint;
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;
