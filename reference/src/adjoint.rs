@@ -56,7 +56,7 @@ use crate::problem::{softplus, unravel};
 use crate::{Problem, Real, ReferenceError};
 
 /// Tokens per recomputed block of forward states.
-pub const BLOCK: usize = 64;
+pub const BLOCK: usize = 16;
 
 /// The gradients of every differentiable input of a forward problem, in mamba_ssm's names and
 /// the shapes of the inputs they belong to. The optional ones are present exactly when the
@@ -318,11 +318,77 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     (s[0] + s[1]) + (s[2] + s[3])
 }
 
-/// `acc[k] += w * v[k]`.
+/// One state row `p` of a token's step backwards (all slices `dstate` long).
+struct Rows<'a, T> {
+    /// `S[p, :]`, on entry from the later tokens only; on exit `a_t S[p, :]`, what token
+    /// `t - 1` receives.
+    sbar: &'a mut [T],
+    s_t: &'a [T],
+    s_prev: &'a [T],
+    c: &'a [T],
+    b: &'a [T],
+    /// `dC_t` and `dB_t` of this head, accumulated over `p`.
+    dc: &'a mut [T],
+    db: &'a mut [T],
+}
+
+/// For one state row, in one pass over `n`: `S += ybar C^T`, `dC += ybar s_t`,
+/// `du = <S, B>`, `dB += u S`, `da = <S, s_{t-1}>` (0 at a reset), `S = a S` (0 at a reset).
+/// Returns `(du, da)`, each summed in 4 interleaved partial sums (`n mod 4`), added as
+/// `(s0 + s1) + (s2 + s3)`.
 #[inline]
-fn axpy<T: Real>(acc: &mut [T], w: T, v: &[T]) {
-    for (a, &b) in acc.iter_mut().zip(v) {
-        *a = *a + w * b;
+fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
+    let n = r.sbar.len();
+    let (mut du, mut da) = ([T::zero(); 4], [T::zero(); 4]);
+    let (a, keep) = if reset {
+        (T::zero(), T::zero())
+    } else {
+        (a, T::one())
+    };
+    let (sbar, s_t, s_prev) = (&mut r.sbar[..n], &r.s_t[..n], &r.s_prev[..n]);
+    let (c, b, dc, db) = (&r.c[..n], &r.b[..n], &mut r.dc[..n], &mut r.db[..n]);
+    // Element-wise updates first (vector code), then the two dot products over the updated
+    // row, then the decay.
+    for k in 0..n {
+        let s = sbar[k] + ybar * c[k];
+        sbar[k] = s;
+        dc[k] = dc[k] + ybar * s_t[k];
+        db[k] = db[k] + u * s;
+    }
+    let sb: &[T] = sbar;
+    let full = n - n % 4;
+    for ((s4, b4), p4) in sb[..full]
+        .chunks_exact(4)
+        .zip(b[..full].chunks_exact(4))
+        .zip(s_prev[..full].chunks_exact(4))
+    {
+        for j in 0..4 {
+            du[j] = du[j] + s4[j] * b4[j];
+            da[j] = da[j] + s4[j] * p4[j];
+        }
+    }
+    for k in full..n {
+        du[k - full] = du[k - full] + sb[k] * b[k];
+        da[k - full] = da[k - full] + sb[k] * s_prev[k];
+    }
+    for v in sbar.iter_mut() {
+        *v = a * *v;
+    }
+    let da = da.map(|v| keep * v);
+    (
+        (du[0] + du[1]) + (du[2] + du[3]),
+        (da[0] + da[1]) + (da[2] + da[3]),
+    )
+}
+
+/// [`step`] out of place: `next = a prev + u B^T`.
+#[inline]
+fn step_into<T: Real>(next: &mut [T], prev: &[T], a: T, u: &[T], bt: &[T]) {
+    let ds = bt.len();
+    for ((row, prow), &up) in next.chunks_exact_mut(ds).zip(prev.chunks_exact(ds)).zip(u) {
+        for ((v, &pv), &bn) in row.iter_mut().zip(prow).zip(bt) {
+            *v = a * pv + up * bn;
+        }
     }
 }
 
@@ -418,15 +484,20 @@ fn unit<T: Real>(
         let before = &ckpt[blk * hd * ds..(blk + 1) * hd * ds];
         for k in 0..nt {
             let (done, rest) = states.split_at_mut(k * hd * ds);
-            let cur = &mut rest[..hd * ds];
-            cur.copy_from_slice(if k == 0 {
+            let prev = if k == 0 {
                 before
             } else {
                 &done[(k - 1) * hd * ds..]
-            });
-            u_at(t0 + k, &mut u);
+            };
             let t = t0 + k;
-            step(cur, st.decay[t], &u, &f.bm[bc_at(t)..bc_at(t) + ds]);
+            u_at(t, &mut u);
+            step_into(
+                &mut rest[..hd * ds],
+                prev,
+                st.decay[t],
+                &u,
+                &f.bm[bc_at(t)..bc_at(t) + ds],
+            );
         }
         for k in (0..nt).rev() {
             let t = t0 + k;
@@ -468,19 +539,18 @@ fn unit<T: Real>(
             let (a_t, reset) = (st.decay[t], st.reset[t]);
             let mut da = T::zero();
             for pp in 0..hd {
-                let row = &mut sbar[pp * ds..(pp + 1) * ds];
-                axpy(row, ybar[pp], ct);
-                axpy(dc, ybar[pp], &s_t[pp * ds..(pp + 1) * ds]);
-                du[pp] = dot(row, bt);
-                axpy(db, u[pp], row);
-                if reset {
-                    row.fill(T::zero());
-                } else {
-                    da = da + dot(row, &s_prev[pp * ds..(pp + 1) * ds]);
-                    for v in row.iter_mut() {
-                        *v = a_t * *v;
-                    }
-                }
+                let rows = Rows {
+                    sbar: &mut sbar[pp * ds..(pp + 1) * ds],
+                    s_t: &s_t[pp * ds..(pp + 1) * ds],
+                    s_prev: &s_prev[pp * ds..(pp + 1) * ds],
+                    c: ct,
+                    b: bt,
+                    dc: &mut *dc,
+                    db: &mut *db,
+                };
+                let (dup, dap) = row_step(rows, ybar[pp], u[pp], a_t, reset);
+                du[pp] = dup;
+                da = da + dap;
             }
             // Through u_t = dt'_t x_t and a_t = exp(dt'_t A).
             for (v, &dup) in r.dx[t * hd..(t + 1) * hd].iter_mut().zip(&du) {
@@ -508,17 +578,23 @@ fn scatter<T: Real>(p: &Problem<T>, g: &mut Gradients<T>, b: usize, h: usize, r:
     let (l, hd, ds) = (d.seqlen, d.headdim, d.dstate);
     let grp = d.group_of_head(h);
     for t in 0..l {
-        for pp in 0..hd {
-            g.dx[[b, t, h, pp]] = r.dx[t * hd + pp];
-            if let Some(dz) = &mut g.dz {
-                dz[[b, t, h, pp]] = r.dz[t * hd + pp];
-            }
+        let mut dx = g.dx.slice_mut(ndarray::s![b, t, h, ..]);
+        dx.assign(&ndarray::ArrayView1::from(&r.dx[t * hd..(t + 1) * hd]));
+        if let Some(dz) = &mut g.dz {
+            let mut dz = dz.slice_mut(ndarray::s![b, t, h, ..]);
+            dz.assign(&ndarray::ArrayView1::from(&r.dz[t * hd..(t + 1) * hd]));
         }
         g.ddt[[b, t, h]] = r.ddt[t];
-        for n in 0..ds {
-            g.dB[[b, t, grp, n]] = g.dB[[b, t, grp, n]] + r.db[t * ds + n];
-            g.dC[[b, t, grp, n]] = g.dC[[b, t, grp, n]] + r.dc[t * ds + n];
-        }
+        let mut db = g.dB.slice_mut(ndarray::s![b, t, grp, ..]);
+        db.zip_mut_with(
+            &ndarray::ArrayView1::from(&r.db[t * ds..(t + 1) * ds]),
+            |a, &v| *a = *a + v,
+        );
+        let mut dc = g.dC.slice_mut(ndarray::s![b, t, grp, ..]);
+        dc.zip_mut_with(
+            &ndarray::ArrayView1::from(&r.dc[t * ds..(t + 1) * ds]),
+            |a, &v| *a = *a + v,
+        );
     }
     g.dA[h] = g.dA[h] + r.da;
     if let Some(db) = &mut g.ddt_bias {
