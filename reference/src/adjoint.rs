@@ -350,10 +350,10 @@ fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
     // Element-wise updates first (vector code), then the two dot products over the updated
     // row, then the decay.
     for k in 0..n {
-        let s = sbar[k] + ybar * c[k];
+        let s = ybar.mul_add(c[k], sbar[k]);
         sbar[k] = s;
-        dc[k] = dc[k] + ybar * s_t[k];
-        db[k] = db[k] + u * s;
+        dc[k] = ybar.mul_add(s_t[k], dc[k]);
+        db[k] = u.mul_add(s, db[k]);
     }
     let sb: &[T] = sbar;
     let full = n - n % 4;
@@ -363,13 +363,13 @@ fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
         .zip(s_prev[..full].chunks_exact(4))
     {
         for j in 0..4 {
-            du[j] = du[j] + s4[j] * b4[j];
-            da[j] = da[j] + s4[j] * p4[j];
+            du[j] = s4[j].mul_add(b4[j], du[j]);
+            da[j] = s4[j].mul_add(p4[j], da[j]);
         }
     }
     for k in full..n {
-        du[k - full] = du[k - full] + sb[k] * b[k];
-        da[k - full] = da[k - full] + sb[k] * s_prev[k];
+        du[k - full] = sb[k].mul_add(b[k], du[k - full]);
+        da[k - full] = sb[k].mul_add(s_prev[k], da[k - full]);
     }
     for v in sbar.iter_mut() {
         *v = a * *v;
@@ -387,7 +387,7 @@ fn step_into<T: Real>(next: &mut [T], prev: &[T], a: T, u: &[T], bt: &[T]) {
     let ds = bt.len();
     for ((row, prow), &up) in next.chunks_exact_mut(ds).zip(prev.chunks_exact(ds)).zip(u) {
         for ((v, &pv), &bn) in row.iter_mut().zip(prow).zip(bt) {
-            *v = a * pv + up * bn;
+            *v = a.mul_add(pv, up * bn);
         }
     }
 }
@@ -399,7 +399,7 @@ fn step<T: Real>(s: &mut [T], a: T, u: &[T], bt: &[T]) {
     let ds = bt.len();
     for (row, &up) in s.chunks_exact_mut(ds).zip(u) {
         for (v, &bn) in row.iter_mut().zip(bt) {
-            *v = a * *v + up * bn;
+            *v = a.mul_add(*v, up * bn);
         }
     }
 }
