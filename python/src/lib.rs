@@ -264,6 +264,61 @@ fn forward<'py>(
     Ok(dict)
 }
 
+/// The gradients of the forward at these inputs, pulled back from `dout` (and
+/// `dfinal_states`) by the adjoint recurrence in float64: a dict of every gradient the inputs
+/// have (`dx`, `ddt`, `dA`, `dB`, `dC`, `dD`, `dz`, `ddt_bias`, `dinitial_states`).
+#[pyfunction]
+#[pyo3(signature = (dout, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+    initial_states=None, seq_idx=None, dt_softplus=false, dt_limit=(0.0, f64::INFINITY),
+    dfinal_states=None))]
+#[allow(non_snake_case, clippy::too_many_arguments)]
+fn backward<'py>(
+    py: Python<'py>,
+    dout: F64In<'py>,
+    x: F64In<'py>,
+    dt: F64In<'py>,
+    A: F64In<'py>,
+    B: F64In<'py>,
+    C: F64In<'py>,
+    chunk_size: usize,
+    D: Option<F64In<'py>>,
+    z: Option<F64In<'py>>,
+    dt_bias: Option<F64In<'py>>,
+    initial_states: Option<F64In<'py>>,
+    seq_idx: Option<I64In<'py>>,
+    dt_softplus: bool,
+    dt_limit: (f64, f64),
+    dfinal_states: Option<F64In<'py>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let raw = RawInputs {
+        x,
+        dt,
+        a: A,
+        b: B,
+        c: C,
+        d: D,
+        z,
+        dt_bias,
+        initial_states,
+        seq_idx,
+    };
+    let p = problem(raw, options(chunk_size, dt_softplus, dt_limit))?;
+    let dout: ndarray::Array4<f64> = owned("dout", dout.as_array().to_owned())?;
+    let dfinal: Option<ndarray::Array4<f64>> = dfinal_states
+        .map(|a| owned("dfinal_states", a.as_array().to_owned()))
+        .transpose()?;
+    let g = py
+        .detach(|| {
+            ssd_reference::adjoint::backward(&p, dout.view(), dfinal.as_ref().map(|a| a.view()))
+        })
+        .map_err(value_error)?;
+    let dict = PyDict::new(py);
+    for (name, a) in g.named() {
+        dict.set_item(name, a.to_owned().into_pyarray(py))?;
+    }
+    Ok(dict)
+}
+
 /// Checks a kernel's outputs against the float64 reference of the inputs, within the error
 /// bound of `precision`. `candidates` maps each output name (`out`, `final_states`,
 /// `dA_cumsum`, `chunk_states`) to `(values as float64, storage dtype name)`. Returns the
@@ -488,6 +543,7 @@ fn save_case<'py>(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(check, m)?)?;
     m.add_function(wrap_pyfunction!(load_case, m)?)?;
     m.add_function(wrap_pyfunction!(save_case, m)?)?;

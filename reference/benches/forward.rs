@@ -85,6 +85,12 @@ fn report<R>(name: &str, repeats: usize, f: impl FnMut() -> R) {
 
 fn bench<T: Real>(label: &str, p: &Problem<T>, repeats: usize) {
     report(&format!("naive {label}"), repeats, || naive::forward(p));
+    let d = *p.dims();
+    let dout =
+        ndarray::Array4::<T>::from_elem((d.batch, d.seqlen, d.nheads, d.headdim), T::lit(0.5));
+    report(&format!("adjoint {label}"), repeats, || {
+        ssd_reference::adjoint::backward(p, dout.view(), None)
+    });
     report(&format!("chunked {label}"), repeats, || {
         chunked::forward(p, MatmulPrecision::Native)
     });

@@ -24,6 +24,7 @@
 //! `docs/math.md` in the repository derives every equation and lists the TF32 rounding points;
 //! `docs/cpu.md` says how the CPU code is built and how fast it runs.
 
+pub mod adjoint;
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;

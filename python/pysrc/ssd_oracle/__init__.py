@@ -39,6 +39,7 @@ __all__ = [
     "check",
     "chunk_cumsum",
     "chunk_states",
+    "gradients",
     "intermediates",
     "load_case",
     "mamba_chunk_scan_combined",
@@ -190,6 +191,37 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if return_final_states:
         return out, _like(r["final_states"], x)
     return out
+
+
+def gradients(dout, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+              initial_states=None, seq_idx=None, dt_softplus=False, dt_limit=(0.0, INF),
+              dfinal_states=None):
+    """The float64 gradients of ``mamba_chunk_scan_combined``, by the adjoint recurrence.
+
+    The vector-Jacobian product of the forward (same arguments) with the upstream gradients
+    ``dout`` (``[batch, seqlen, nheads, headdim]``) and ``dfinal_states`` (``[batch, nheads,
+    headdim, dstate]``, optional): what ``torch.autograd`` gives for ``x.grad``, ... after
+    ``out.backward(dout)`` (or ``torch.autograd.backward([out, final_states], [dout,
+    dfinal_states])``). Returns a dict in mamba_ssm's names: ``dx``, ``ddt`` (with respect to
+    the raw ``dt``), ``dA``, ``dB``, ``dC``, and ``dD``, ``dz``, ``ddt_bias``,
+    ``dinitial_states`` when those inputs are given; numpy arrays, or float64 torch tensors on
+    ``x``'s device when ``x`` is a torch tensor.
+
+    >>> import numpy as np, ssd_oracle
+    >>> rng = np.random.default_rng(0)
+    >>> x, dt = rng.standard_normal((1, 8, 2, 4)), rng.random((1, 8, 2))
+    >>> A, B, C = -rng.random(2), rng.standard_normal((1, 8, 1, 3)), rng.standard_normal((1, 8, 1, 3))
+    >>> g = ssd_oracle.gradients(np.ones((1, 8, 2, 4)), x, dt, A, B, C, 4)
+    >>> sorted(g), g["dB"].shape
+    (['dA', 'dB', 'dC', 'ddt', 'dx'], (1, 8, 1, 3))
+    """
+    kw = _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                        dt_softplus, dt_limit)
+    up = {"dout": _as_float64("dout", dout)[0]}
+    if dfinal_states is not None:
+        up["dfinal_states"] = _as_float64("dfinal_states", dfinal_states)[0]
+    r = _native.backward(**up, **kw)
+    return {name: _like(value, x) for name, value in r.items()}
 
 
 def intermediates(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,

@@ -10,6 +10,7 @@
 pub mod check;
 pub mod demo;
 pub mod gen;
+pub mod grad;
 pub mod run;
 
 use std::process::ExitCode;
@@ -46,6 +47,9 @@ enum Command {
     Check(check::Args),
     /// Write a suite of fixture cases with their float64 expected outputs and magnitudes.
     Gen(gen::Args),
+    /// Compute the gradients of a case's forward from its upstream gradients (`dout`,
+    /// optionally `dfinal_states`) by the adjoint recurrence, and write them.
+    Grad(grad::Args),
 }
 
 /// Parses the command line, runs the subcommand, and turns any error into one line on stderr.
@@ -61,6 +65,7 @@ pub fn main() -> ExitCode {
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Check(args)) => check::run(&args),
         Some(Command::Gen(args)) => gen::run(&args),
+        Some(Command::Grad(args)) => grad::run(&args),
     };
     match result {
         Ok(code) => code,

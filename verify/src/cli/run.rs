@@ -162,7 +162,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
 
 /// Checks that `out` can be written before any work is done: a file name in an existing folder,
 /// not a folder itself.
-fn check_out_path(out: &Path) -> Result<(), VerifyError> {
+pub(super) fn check_out_path(out: &Path) -> Result<(), VerifyError> {
     if out.file_name().is_none() || out.is_dir() {
         return Err(VerifyError::Usage(format!(
             "--out `{}` must be a file path, not a folder",

@@ -1,0 +1,132 @@
+//! `ssd-oracle grad`: the gradients of a case's forward, pulled back from the case's upstream
+//! gradients, by the adjoint recurrence.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use ndarray::{Array4, Ix4};
+use ssd_reference::adjoint::{self, Gradients};
+use ssd_reference::{Problem, Real};
+use ssd_verify::fixture::{self, FloatDtype, TensorFile, TensorWriter};
+use ssd_verify::VerifyError;
+
+/// The arithmetic of the adjoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradPrecision {
+    /// float64: the ground truth.
+    F64,
+    /// float32 throughout (inputs and upstream gradients rounded to f32 first).
+    F32,
+}
+
+/// Compute the gradients of a case's forward with respect to every input it has, from the
+/// upstream gradients `dout` (required) and `dfinal_states` (optional) stored among the case's
+/// tensors, and write them (mamba_ssm's names: dx, ddt, dA, dB, dC, and dD, dz, ddt_bias,
+/// dinitial_states where the case has the input) to a safetensors file: F64 for --precision
+/// f64, F32 for f32.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The case's manifest (ssd-fixture/1 JSON); its tensors must include `dout`.
+    #[arg(long, value_name = "CASE.json")]
+    pub case: PathBuf,
+
+    /// Where to write the gradients (replaced atomically; nothing is written on error).
+    #[arg(long, value_name = "GRADS.safetensors")]
+    pub out: PathBuf,
+
+    /// The arithmetic.
+    #[arg(long, value_enum, default_value_t = GradPrecision::F64)]
+    pub precision: GradPrecision,
+}
+
+/// Runs the subcommand.
+///
+/// # Errors
+/// Any [`VerifyError`]: an unreadable case, `dout` missing or of the wrong shape or dtype,
+/// `dfinal_states` of the wrong shape, an unusable output path.
+pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
+    super::run::check_out_path(&args.out)?;
+    let loaded = fixture::read_case(&args.case)?;
+    let problem = &loaded.case.problem;
+    let tensors = TensorFile::open(&loaded.tensors_path)?;
+    let upstream = |name: &str, required: bool| -> Result<Option<Array4<f64>>, VerifyError> {
+        let t = if required {
+            Some(tensors.read_float(name)?)
+        } else {
+            tensors.read_float_opt(name)?
+        };
+        t.map(|t| {
+            t.data
+                .into_dimensionality::<Ix4>()
+                .map_err(|_| VerifyError::Tensors {
+                    path: loaded.tensors_path.clone(),
+                    message: format!("tensor `{name}` must have 4 dimensions"),
+                })
+        })
+        .transpose()
+    };
+    let dout = upstream("dout", true)?.expect("required");
+    let dfinal = upstream("dfinal_states", false)?;
+
+    let t0 = Instant::now();
+    let mut w = TensorWriter::new();
+    let (dtype, names) = match args.precision {
+        GradPrecision::F64 => {
+            let g = pull_back(problem, &dout, dfinal.as_ref(), &loaded.tensors_path)?;
+            (FloatDtype::F64, push_all(&mut w, &g, FloatDtype::F64))
+        }
+        GradPrecision::F32 => {
+            let p32: Problem<f32> = problem.cast();
+            let cast = |a: &Array4<f64>| a.mapv(|v| v as f32);
+            let dfinal32 = dfinal.as_ref().map(cast);
+            let g = pull_back(&p32, &cast(&dout), dfinal32.as_ref(), &loaded.tensors_path)?;
+            (FloatDtype::F32, push_all(&mut w, &g, FloatDtype::F32))
+        }
+    };
+    let took = t0.elapsed();
+    w.write(&args.out)?;
+    println!(
+        "wrote {} ({}) to {}: adjoint {} computed in {:.1} ms on {} threads",
+        names.join(", "),
+        fixture::Dtype::from(dtype),
+        args.out.display(),
+        match args.precision {
+            GradPrecision::F64 => "f64",
+            GradPrecision::F32 => "f32",
+        },
+        took.as_secs_f64() * 1e3,
+        rayon::current_num_threads(),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The adjoint, its shape errors reported against the case's tensor file.
+fn pull_back<T: Real>(
+    p: &Problem<T>,
+    dout: &Array4<T>,
+    dfinal: Option<&Array4<T>>,
+    file: &std::path::Path,
+) -> Result<Gradients<T>, VerifyError> {
+    adjoint::backward(p, dout.view(), dfinal.map(|a| a.view())).map_err(|source| {
+        VerifyError::Problem {
+            path: file.to_path_buf(),
+            source,
+        }
+    })
+}
+
+/// Adds every gradient to `w`; returns their names in order.
+fn push_all<T: Real>(
+    w: &mut TensorWriter,
+    g: &Gradients<T>,
+    dtype: FloatDtype,
+) -> Vec<&'static str> {
+    g.named()
+        .into_iter()
+        .map(|(name, a)| {
+            w.push(name, &a, dtype);
+            name
+        })
+        .collect()
+}

@@ -1,0 +1,162 @@
+//! `ssd-oracle grad` end to end: the gradients written, their dtypes, and the refusals.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ndarray::Array4;
+use ssd_reference::random::{random_problem, ProblemSpec, SeqIdx};
+use ssd_reference::{adjoint, Dims, Problem};
+use ssd_verify::fixture::{
+    write_case, Case, CaseMeta, Dtype, Expected, FloatDtype, TensorFile, TensorWriter,
+};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cli_grad-{name}"));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn oracle(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ssd-oracle"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A case with every option but `seq_idx` (its values are covered by the reference's tests),
+/// and the given upstream gradients added to its tensor file.
+fn case_with(dir: &Path, extra: &[(&str, Array4<f64>)]) -> (PathBuf, Problem<f64>) {
+    let mut spec = ProblemSpec::full(Dims::new(2, 21, 4, 3, 2, 5), 8);
+    spec.seq_idx = SeqIdx::None;
+    let problem = random_problem(&spec, 4).unwrap();
+    let path = dir.join("case.json");
+    let case = Case {
+        meta: CaseMeta::default(),
+        problem: problem.clone(),
+        expected: Expected::default(),
+    };
+    write_case(&path, &case, FloatDtype::F64).unwrap();
+    let tensors = path.with_extension("safetensors");
+    let file = TensorFile::open(&tensors).unwrap();
+    let mut w = TensorWriter::new();
+    for name in file.names() {
+        w.push(
+            &name,
+            &file.read_float(&name).unwrap().data,
+            FloatDtype::F64,
+        );
+    }
+    for (name, a) in extra {
+        w.push(name, a, FloatDtype::F64);
+    }
+    w.write(&tensors).unwrap();
+    (path, problem)
+}
+
+fn upstream(p: &Problem<f64>) -> (Array4<f64>, Array4<f64>) {
+    let d = *p.dims();
+    let dout = Array4::from_shape_fn((d.batch, d.seqlen, d.nheads, d.headdim), |(b, t, h, q)| {
+        ((b * 7 + t * 3 + h * 5 + q) % 11) as f64 / 11.0 - 0.5
+    });
+    let dfin = Array4::from_shape_fn((d.batch, d.nheads, d.headdim, d.dstate), |(b, h, q, n)| {
+        ((b + h * 3 + q * 5 + n * 2) % 7) as f64 / 7.0 - 0.5
+    });
+    (dout, dfin)
+}
+
+#[test]
+fn grad_writes_the_adjoint_of_every_input_the_case_has() {
+    let dir = scratch("writes");
+    let probe = random_problem(&ProblemSpec::full(Dims::new(2, 21, 4, 3, 2, 5), 8), 4).unwrap();
+    let (dout, dfin) = upstream(&probe);
+    let (case, problem) = case_with(
+        &dir,
+        &[("dout", dout.clone()), ("dfinal_states", dfin.clone())],
+    );
+    let out = dir.join("grads.safetensors");
+    let o = oracle(&["grad", "--case", s(&case), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = adjoint::backward(&problem, dout.view(), Some(dfin.view())).unwrap();
+    let file = TensorFile::open(&out).unwrap();
+    let mut names = file.names();
+    names.sort();
+    let mut expected: Vec<String> = want.named().iter().map(|(n, _)| n.to_string()).collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    for (name, a) in want.named() {
+        let got = file.read_float(name).unwrap();
+        assert_eq!(got.dtype, Dtype::F64, "{name}");
+        assert_eq!(got.data, a.to_owned(), "{name}: not the adjoint's bits");
+    }
+
+    // f32: stored as F32, close to the f64 truth.
+    let out32 = dir.join("grads32.safetensors");
+    let o = oracle(&[
+        "grad",
+        "--case",
+        s(&case),
+        "--out",
+        s(&out32),
+        "--precision",
+        "f32",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let file = TensorFile::open(&out32).unwrap();
+    let dx = file.read_float("dx").unwrap();
+    assert_eq!(dx.dtype, Dtype::F32);
+    let scale = want.dx.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let worst = dx
+        .data
+        .iter()
+        .zip(want.dx.iter())
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst > 0.0 && worst < 1e-4 * scale,
+        "f32 dx off by {worst} (scale {scale})"
+    );
+}
+
+#[test]
+fn grad_refuses_a_case_without_dout_and_bad_upstream_gradients() {
+    let dir = scratch("refuses");
+    let out = dir.join("grads.safetensors");
+
+    let (case, _) = case_with(&dir, &[]);
+    let o = oracle(&["grad", "--case", s(&case), "--out", s(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`dout` is missing") && e.lines().count() == 1,
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing is written on failure");
+
+    let (case, _) = case_with(&dir, &[("dout", Array4::zeros((2, 21, 4, 2)))]);
+    let o = oracle(&["grad", "--case", s(&case), "--out", s(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.contains("`dout`") && e.contains("[2, 21, 4, 2]"), "{e}");
+    assert!(!out.exists(), "nothing is written on failure");
+
+    let (case, _) = case_with(
+        &dir,
+        &[
+            ("dout", Array4::zeros((2, 21, 4, 3))),
+            ("dfinal_states", Array4::zeros((2, 4, 3, 4))),
+        ],
+    );
+    let o = oracle(&["grad", "--case", s(&case), "--out", s(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("`dfinal_states`"), "{}", stderr(&o));
+    assert!(!out.exists(), "nothing is written on failure");
+}
