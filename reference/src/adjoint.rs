@@ -300,7 +300,7 @@ fn sigmoid<T: Real>(v: T) -> T {
 }
 
 /// `sum_k a[k] b[k]` in 4 interleaved partial sums, `(s0 + s1) + (s2 + s3)`.
-#[inline]
+#[inline(always)]
 fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -336,7 +336,7 @@ struct Rows<'a, T> {
 /// `du = <S, B>`, `dB += u S`, `da = <S, s_{t-1}>` (0 at a reset), `S = a S` (0 at a reset).
 /// Returns `(du, da)`, each summed in 4 interleaved partial sums (`n mod 4`), added as
 /// `(s0 + s1) + (s2 + s3)`.
-#[inline]
+#[inline(always)]
 fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
     let n = r.sbar.len();
     let (mut du, mut da) = ([T::zero(); 4], [T::zero(); 4]);
@@ -382,7 +382,7 @@ fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
 }
 
 /// [`step`] out of place: `next = a prev + u B^T`.
-#[inline]
+#[inline(always)]
 fn step_into<T: Real>(next: &mut [T], prev: &[T], a: T, u: &[T], bt: &[T]) {
     let ds = bt.len();
     for ((row, prow), &up) in next.chunks_exact_mut(ds).zip(prev.chunks_exact(ds)).zip(u) {
@@ -394,7 +394,7 @@ fn step_into<T: Real>(next: &mut [T], prev: &[T], a: T, u: &[T], bt: &[T]) {
 
 /// The state after token `t` from the state before it: `s = a s + u B^T` (`s` is
 /// `[headdim, dstate]` row-major).
-#[inline]
+#[inline(always)]
 fn step<T: Real>(s: &mut [T], a: T, u: &[T], bt: &[T]) {
     let ds = bt.len();
     for (row, &up) in s.chunks_exact_mut(ds).zip(u) {
@@ -404,7 +404,24 @@ fn step<T: Real>(s: &mut [T], a: T, u: &[T], bt: &[T]) {
     }
 }
 
-fn unit<T: Real>(
+crate::simd::multiversion! {
+    /// [`unit_body`], compiled for AVX2 + FMA where the processor has them (the same
+    /// operations, so the same bits, on every path).
+    fn unit[T: Real](
+        p: &Problem<T>,
+        f: &Flat<'_, T>,
+        b: usize,
+        h: usize,
+        dfinal: Option<ndarray::ArrayView2<'_, T>>,
+    ) -> Unit<T> {
+        unit_body(p, f, b, h, dfinal)
+    }
+}
+
+/// One (row, head) pair's share of the gradients: the forward sweep with its checkpoints, then
+/// the backward sweep.
+#[inline(always)]
+fn unit_body<T: Real>(
     p: &Problem<T>,
     f: &Flat<T>,
     b: usize,

@@ -1,5 +1,5 @@
 //! Every instruction-set path gives the same bits: the portable code (as with `SSD_SIMD=off`)
-//! against the widest vector code this processor runs, for the naive and chunked paths (both
+//! against the widest vector code this processor runs, for the naive path and its adjoint, the chunked paths (both
 //! schedules, native and TF32 operands) in f64 and f32, and for the magnitudes, on random
 //! shapes and every option. On a processor without AVX2 both runs take the portable code and
 //! the test checks nothing more than determinism.
@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use ssd_reference::chunked::{self, Schedule};
 use ssd_reference::random::random_problem;
 use ssd_reference::simd::{self, Isa};
-use ssd_reference::{magnitude, naive, MatmulPrecision, Problem, Real};
+use ssd_reference::{adjoint, magnitude, naive, MatmulPrecision, Problem, Real};
 
 /// Every output of every path on `p`, flattened to bit patterns (f32 widened exactly).
 fn all_bits<T: Real>(p: &Problem<T>) -> Vec<Vec<u64>> {
@@ -24,6 +24,11 @@ fn all_bits<T: Real>(p: &Problem<T>) -> Vec<Vec<u64>> {
     let n = naive::forward(p);
     v.push(bits(&n.out));
     v.push(bits(&n.final_states));
+    // The adjoint, pulled back from the outputs themselves.
+    let g = adjoint::backward(p, n.out.view(), Some(n.final_states.view())).expect("valid");
+    for (_, a) in g.named() {
+        v.push(a.iter().map(|x| x.as_f64().to_bits()).collect());
+    }
     for precision in [MatmulPrecision::Native, MatmulPrecision::Tf32] {
         for schedule in [Schedule::Staged, Schedule::Fused] {
             let c = chunked::forward_with(p, precision, schedule);
