@@ -114,4 +114,11 @@ echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
 grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
-[ -f "$logs/all/triton-table.log" ] && grep -E '^\||ceilings|^Triton' "$logs/all/triton-table.log"
+if [ -f "$logs/all/triton-table.log" ]; then
+  grep -E '^\||ceilings|^Triton' "$logs/all/triton-table.log"
+fi
+# The exit status: 1 when any step failed, 0 otherwise.
+for r in "${rows[@]}"; do
+  case "$r" in *FAIL*|*MISSING*) exit 1 ;; esac
+done
+exit 0
