@@ -13,19 +13,29 @@ pub enum GpuError {
     /// range, or its compute capability is below 8.0, which the TF32 tensor cores need).
     #[error("no CUDA device: {0}")]
     NoDevice(String),
-    /// NVRTC refused the kernels; `log` is its full log.
+    /// NVRTC refused the kernels; `log` is its full log, `source` its error.
     #[error("NVRTC failed to compile the SSD kernels for {arch}:\n{log}")]
-    Compile { arch: String, log: String },
-    /// A device allocation failed.
+    Compile {
+        arch: String,
+        log: String,
+        #[source]
+        source: cudarc::nvrtc::CompileError,
+    },
+    /// A device allocation failed (the driver's error kept as the source).
     #[error("out of GPU memory: {0}")]
-    OutOfMemory(String),
+    OutOfMemory(#[source] DriverError),
     /// Sizes or options the kernels do not support, or device buffers whose lengths do not
     /// match the sizes; the message says which and why.
     #[error("unsupported shape: {0}")]
     Unsupported(String),
-    /// Any other CUDA driver error (a fault reported at synchronisation, ...).
+    /// Any other CUDA driver error (a fault reported at synchronisation, ...), kept as the
+    /// source.
     #[error("CUDA driver error: {0}")]
-    Driver(String),
+    Driver(#[source] DriverError),
+    /// The host and the loaded kernels disagree (a parameter struct or layout of the wrong
+    /// size, a downloaded buffer of the wrong length): a bug of this crate, never of the input.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The driver refused to launch a kernel, or reported an earlier asynchronous error there
     /// (`pending`: before this launch was asked for).
     #[error("CUDA driver error at the launch of {kernel}{}", if *.pending { " (pending from earlier)" } else { "" })]
@@ -40,11 +50,11 @@ pub enum GpuError {
 impl From<DriverError> for GpuError {
     fn from(e: DriverError) -> Self {
         match e.0 {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => GpuError::OutOfMemory(format!("{e:?}")),
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => GpuError::OutOfMemory(e),
             CUresult::CUDA_ERROR_NO_DEVICE | CUresult::CUDA_ERROR_INVALID_DEVICE => {
                 GpuError::NoDevice(format!("{e:?}"))
             }
-            _ => GpuError::Driver(format!("{e:?}")),
+            _ => GpuError::Driver(e),
         }
     }
 }

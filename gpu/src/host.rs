@@ -86,7 +86,7 @@ impl Gpu {
         let cst = get(&outputs.chunk_states)?;
         self.synchronize()?;
         let shape_err = |e: ndarray::ShapeError| {
-            GpuError::Driver(format!("downloaded buffer has the wrong length: {e}"))
+            GpuError::Internal(format!("downloaded buffer has the wrong length: {e}"))
         };
         Ok(ChunkedOutput {
             out: Array::from_shape_vec((d.batch, d.seqlen, d.nheads, d.headdim), out)

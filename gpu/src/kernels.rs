@@ -255,6 +255,7 @@ fn compile_error(target: &str, e: CompileError) -> GpuError {
     GpuError::Compile {
         arch: target.to_string(),
         log,
+        source: e,
     }
 }
 

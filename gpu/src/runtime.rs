@@ -165,7 +165,7 @@ impl Gpu {
             let layout = KernelLayout::from_bytes(&bytes)
                 .filter(|l| l.params as usize == k.params_bytes())
                 .ok_or_else(|| {
-                    GpuError::Driver(format!(
+                    GpuError::Internal(format!(
                         "{}: the module's layout ({} bytes: {bytes:?}) does not match the {}-byte parameter struct of this crate",
                         k.layout_symbol(),
                         bytes.len(),
@@ -241,7 +241,7 @@ impl Gpu {
         params: &P,
     ) -> Result<(), GpuError> {
         if std::mem::size_of::<P>() != k.params_bytes() {
-            return Err(GpuError::Driver(format!(
+            return Err(GpuError::Internal(format!(
                 "{}: launched with a parameter struct of the wrong size",
                 k.name()
             )));
