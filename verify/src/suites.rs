@@ -8,6 +8,9 @@
 //!   `dt + dt_bias` on both sides of the softplus threshold, `dt_limit` clamping at both ends,
 //!   `ngroups` strictly between 1 and `nheads`, extreme and zero decays, bf16 and f64 inputs.
 //! - [`Suite::Standard`]: realistic Mamba-2 layer shapes (tens of MB each: not committed).
+//! - [`Suite::Backward`]: cases for backward kernels: the forward case plus upstream gradients
+//!   `dout` and `dfinal_states` and the float64 gradients the adjoint recurrence gives
+//!   ([`backward_tensors`]), every option at least once.
 //!
 //! Case `k` of a suite draws its values with seed `seed + k`, so a suite is reproducible from
 //! its seed. Inputs are stored as F32 (as an f32 kernel reads them) unless the case says
@@ -28,15 +31,17 @@ pub enum Suite {
     Smoke,
     Edge,
     Standard,
+    Backward,
 }
 
 impl Suite {
-    /// `"smoke"`, `"edge"`, `"standard"`.
+    /// `"smoke"`, `"edge"`, `"standard"`, `"backward"`.
     pub fn name(self) -> &'static str {
         match self {
             Suite::Smoke => "smoke",
             Suite::Edge => "edge",
             Suite::Standard => "standard",
+            Suite::Backward => "backward",
         }
     }
 }
@@ -77,7 +82,75 @@ pub fn cases(suite: Suite) -> Vec<CaseSpec> {
         Suite::Smoke => smoke(),
         Suite::Edge => edge(),
         Suite::Standard => standard(),
+        Suite::Backward => backward(),
     }
+}
+
+fn backward() -> Vec<CaseSpec> {
+    let dims = Dims::new(2, 100, 4, 8, 2, 8);
+    let full = ProblemSpec::full(dims, 32);
+    vec![
+        case(
+            "plain",
+            "one sequence per row, dt already activated, no optional tensor",
+            ProblemSpec {
+                options: options(32, false, NO_LIMIT),
+                ..ProblemSpec::plain(Dims::new(1, 64, 2, 8, 1, 8))
+            },
+        ),
+        case(
+            "full",
+            "every option: softplus + dt_bias, dt_limit, D per channel, z, initial states, 3 sequences per row, 2 groups",
+            full,
+        ),
+        case(
+            "resets-d-per-head",
+            "D per head, no z, seq_idx resets at every chunk start, initial states (reaching only the first run)",
+            ProblemSpec {
+                d: DSkip::PerHead,
+                z: false,
+                seq_idx: SeqIdx::AtChunkStarts { every: 1 },
+                ..full
+            },
+        ),
+        case(
+            "clamp-both-ends",
+            "dt_limit [0.05, 0.2] clamping many tokens at both ends (gradient 0 there), first seq_idx above 0 (initial state unused)",
+            ProblemSpec {
+                options: options(32, true, (0.05, 0.2)),
+                seq_idx: SeqIdx::Segments {
+                    segments: 2,
+                    first: 1,
+                },
+                ..full
+            },
+        ),
+    ]
+}
+
+/// The backward part of a case of [`Suite::Backward`]: upstream gradients `dout` and
+/// `dfinal_states` drawn uniformly in `[-1, 1)` from the specs' stream
+/// ([`ssd_reference::random::SpecRng`]) seeded with `seed`, then every gradient the problem's
+/// inputs have, by the adjoint recurrence in float64 (`ssd-oracle grad`'s names).
+pub fn backward_tensors(problem: &Problem<f64>, seed: u64) -> Vec<(&'static str, ArrayD<f64>)> {
+    let d = *problem.dims();
+    let mut rng = ssd_reference::random::SpecRng::new(seed);
+    let mut draw = |shape: (usize, usize, usize, usize)| {
+        let mut a = ndarray::Array4::<f64>::zeros(shape);
+        a.iter_mut()
+            .for_each(|v| *v = 2.0 * ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64) - 1.0);
+        a
+    };
+    let dout = draw((d.batch, d.seqlen, d.nheads, d.headdim));
+    let dfinal = draw((d.batch, d.nheads, d.headdim, d.dstate));
+    let g = ssd_reference::adjoint::backward(problem, dout.view(), Some(dfinal.view()))
+        .expect("upstream gradients of the problem's shapes");
+    let mut v = vec![
+        ("dout", dout.into_dyn()),
+        ("dfinal_states", dfinal.into_dyn()),
+    ];
+    v.extend(g.named().into_iter().map(|(n, a)| (n, a.to_owned())));
+    v
 }
 
 fn smoke() -> Vec<CaseSpec> {
@@ -320,10 +393,12 @@ pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyErr
     let expected = expected_outputs(&problem);
     let mut extra = serde_json::Map::new();
     extra.insert("suite".into(), Value::from(suite.name()));
-    extra.insert(
-        "generator".into(),
-        Value::from("ssd-oracle gen (float64 naive recurrence; chunked path in f64 for dA_cumsum and chunk_states)"),
-    );
+    let generator = "ssd-oracle gen (float64 naive recurrence; chunked path in f64 for dA_cumsum and chunk_states)";
+    let generator = match suite {
+        Suite::Backward => format!("{generator}; upstream gradients from the case's seed, gradients by the float64 adjoint recurrence"),
+        _ => generator.to_string(),
+    };
+    extra.insert("generator".into(), Value::from(generator));
     Ok(Case {
         meta: CaseMeta {
             name: Some(spec.name.to_string()),

@@ -12,10 +12,10 @@ use common::{fixtures_root, manifests, oracle, TempDir};
 use ndarray::Array4;
 use rayon::prelude::*;
 use ssd_reference::{chunked, MatmulPrecision};
-use ssd_verify::fixture::{read_case, Dtype, FloatDtype, Outputs};
+use ssd_verify::fixture::{read_case, Dtype, FloatDtype, Outputs, TensorFile};
 use ssd_verify::tolerance::{Candidate, Oracle, Precision};
 
-const SUITES: [&str; 2] = ["smoke", "edge"];
+const SUITES: [&str; 3] = ["smoke", "edge", "backward"];
 
 fn committed() -> Vec<PathBuf> {
     let m = manifests(&fixtures_root());
@@ -53,6 +53,9 @@ fn meaningful_difference(committed: &Path, fresh: &Path) -> Option<String> {
     {
         return Some("magnitudes differ".into());
     }
+    if let Some(d) = gradients_differ(committed, fresh) {
+        return Some(d);
+    }
     let oracle = Oracle::with_expected(&a.problem, &a.expected);
     let e = &b.expected;
     let cand = Candidate {
@@ -75,6 +78,89 @@ fn meaningful_difference(committed: &Path, fresh: &Path) -> Option<String> {
         v.max_ratio()
     );
     None
+}
+
+/// For backward cases: the upstream gradients must be identical, and every gradient within
+/// `1e-12` of the largest magnitude of its tensor (two correct float64 computations of the
+/// same sums; another libm may round `exp` differently).
+fn gradients_differ(committed: &Path, fresh: &Path) -> Option<String> {
+    let files = |m: &Path| TensorFile::open(read_case(m).unwrap().tensors_path).unwrap();
+    let (a, b) = (files(committed), files(fresh));
+    if a.names() != b.names() {
+        return Some("the tensor names differ".into());
+    }
+    for name in a.names() {
+        let upstream = name == "dout" || name == "dfinal_states";
+        if !(upstream || GRADIENTS.contains(&name.as_str())) {
+            continue;
+        }
+        let (x, y) = (
+            a.read_float(&name).unwrap().data,
+            b.read_float(&name).unwrap().data,
+        );
+        if upstream && x != y {
+            return Some(format!("`{name}` differs"));
+        }
+        let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        if x.iter()
+            .zip(y.iter())
+            .any(|(u, v)| (u - v).abs() > 1e-12 * scale)
+        {
+            return Some(format!(
+                "gradient `{name}` differs beyond 1e-12 of its scale"
+            ));
+        }
+    }
+    None
+}
+
+const GRADIENTS: [&str; 9] = [
+    "dx",
+    "ddt",
+    "dA",
+    "dB",
+    "dC",
+    "dD",
+    "dz",
+    "ddt_bias",
+    "dinitial_states",
+];
+
+/// Every committed backward case: `ssd-oracle grad` writes the stored gradients again, bit for
+/// bit, and the case holds exactly the gradients of the inputs it has.
+#[test]
+fn committed_backward_cases_hold_the_adjoint() {
+    let tmp = TempDir::new("grad");
+    let dir = fixtures_root().join("backward");
+    let list = manifests(&dir);
+    assert!(list.len() >= 4, "backward fixtures missing: {list:?}");
+    for m in list {
+        let out = tmp.path("grads.safetensors");
+        let (code, stdout, err) = oracle(&[
+            "grad",
+            "--case",
+            m.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{stdout}{err}");
+        let fresh = TensorFile::open(&out).unwrap();
+        let stored = TensorFile::open(read_case(&m).unwrap().tensors_path).unwrap();
+        let stored_grads: Vec<String> = stored
+            .names()
+            .into_iter()
+            .filter(|n| GRADIENTS.contains(&n.as_str()))
+            .collect();
+        assert_eq!(stored_grads, fresh.names(), "{}", m.display());
+        for name in fresh.names() {
+            assert_eq!(
+                fresh.read_float(&name).unwrap().data,
+                stored.read_float(&name).unwrap().data,
+                "{}: `{name}` is not the adjoint's",
+                m.display()
+            );
+        }
+    }
 }
 
 /// `ssd-oracle gen` writes the committed suites again, identically (see fixtures/README.md for

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use ssd_verify::fixture::write_case;
-use ssd_verify::suites::{build, cases, Suite};
+use ssd_verify::fixture::{write_case, FloatDtype, TensorFile, TensorWriter};
+use ssd_verify::suites::{backward_tensors, build, cases, Suite};
 use ssd_verify::VerifyError;
 
 /// Write a suite of cases (manifest + safetensors each) with their float64 expected outputs
@@ -14,7 +14,8 @@ use ssd_verify::VerifyError;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// smoke: 3 small cases; edge: every option and boundary; standard: realistic Mamba-2
-    /// layer shapes (large: tens of MB per case).
+    /// layer shapes (large: tens of MB per case); backward: cases with upstream gradients
+    /// (`dout`, `dfinal_states`) and their float64 gradients, for backward kernels.
     #[arg(long, value_enum)]
     pub suite: Suite,
 
@@ -49,6 +50,17 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         let case = build(spec, args.suite, seed)?;
         let path = args.out.join(format!("{}.json", spec.name));
         write_case(&path, &case, spec.input_dtype)?;
+        if args.suite == Suite::Backward {
+            // The upstream gradients (drawn with the case's seed) and the gradients, added to
+            // the case's tensor file, all F64.
+            let tensors = path.with_extension("safetensors");
+            let mut w = TensorWriter::new();
+            w.push_all_from(&TensorFile::open(&tensors)?);
+            for (name, a) in backward_tensors(&case.problem, seed) {
+                w.push(name, &a, FloatDtype::F64);
+            }
+            w.write(&tensors)?;
+        }
         pb.inc(1);
     }
     pb.finish_and_clear();
