@@ -52,7 +52,7 @@
 use ndarray::{Array1, Array3, Array4, ArrayD, ArrayView4, IxDyn};
 use rayon::prelude::*;
 
-use crate::problem::{softplus, unravel};
+use crate::problem::{check_finite, check_shape, softplus};
 use crate::{Problem, Real, ReferenceError};
 
 /// Tokens per recomputed block of forward states.
@@ -136,9 +136,11 @@ pub fn backward<T: Real>(
 ) -> Result<Gradients<T>, ReferenceError> {
     let d = *p.dims();
     let (bt, l, nh, hd, ng, ds) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
-    check("dout", dout.shape(), &[bt, l, nh, hd], dout.iter())?;
+    check_shape("dout", dout.shape(), &[bt, l, nh, hd])?;
+    check_finite("dout", &dout)?;
     if let Some(f) = &dfinal_states {
-        check("dfinal_states", f.shape(), &[bt, nh, hd, ds], f.iter())?;
+        check_shape("dfinal_states", f.shape(), &[bt, nh, hd, ds])?;
+        check_finite("dfinal_states", f)?;
     }
     let i = p.inputs();
     let x = i.x.as_standard_layout();
@@ -188,26 +190,6 @@ pub fn backward<T: Real>(
         }
     }
     Ok(g)
-}
-
-fn check<'a, T: Real>(
-    name: &str,
-    got: &[usize],
-    want: &[usize],
-    values: impl Iterator<Item = &'a T>,
-) -> Result<(), ReferenceError> {
-    if got != want {
-        return Err(ReferenceError::InvalidProblem(format!(
-            "tensor `{name}` has shape {got:?}, expected {want:?} from dims"
-        )));
-    }
-    if let Some((k, v)) = values.enumerate().find(|(_, v)| !v.is_finite()) {
-        return Err(ReferenceError::InvalidProblem(format!(
-            "tensor `{name}` has the non-finite value {v:?} at index {:?}",
-            unravel(k, want)
-        )));
-    }
-    Ok(())
 }
 
 /// The inputs as flat row-major slices.
@@ -381,25 +363,14 @@ fn row_step<T: Real>(r: Rows<T>, ybar: T, u: T, a: T, reset: bool) -> (T, T) {
     )
 }
 
-/// [`step`] out of place: `next = a prev + u B^T`.
+/// The state after a token from the state before it: `next = a prev + u B^T` (both
+/// `[headdim, dstate]` row-major).
 #[inline(always)]
 fn step_into<T: Real>(next: &mut [T], prev: &[T], a: T, u: &[T], bt: &[T]) {
     let ds = bt.len();
     for ((row, prow), &up) in next.chunks_exact_mut(ds).zip(prev.chunks_exact(ds)).zip(u) {
         for ((v, &pv), &bn) in row.iter_mut().zip(prow).zip(bt) {
             *v = a.mul_add(pv, up * bn);
-        }
-    }
-}
-
-/// The state after token `t` from the state before it: `s = a s + u B^T` (`s` is
-/// `[headdim, dstate]` row-major).
-#[inline(always)]
-fn step<T: Real>(s: &mut [T], a: T, u: &[T], bt: &[T]) {
-    let ds = bt.len();
-    for (row, &up) in s.chunks_exact_mut(ds).zip(u) {
-        for (v, &bn) in row.iter_mut().zip(bt) {
-            *v = a.mul_add(*v, up * bn);
         }
     }
 }
@@ -444,27 +415,51 @@ fn unit_body<T: Real>(
         }
     };
 
+    // The states after each token of one block, `[BLOCK, headdim, dstate]`, from the state
+    // before the block: filled once per block by the forward sweep and again, block by block
+    // in reverse, by the backward sweep.
+    let mut states = vec![T::zero(); BLOCK * hd * ds];
+    let mut u = vec![T::zero(); hd];
+    let block_states = |states: &mut [T], before: &[T], t0: usize, nt: usize, u: &mut [T]| {
+        for k in 0..nt {
+            let (done, rest) = states.split_at_mut(k * hd * ds);
+            let prev = if k == 0 {
+                before
+            } else {
+                &done[(k - 1) * hd * ds..]
+            };
+            let t = t0 + k;
+            u_at(t, u);
+            step_into(
+                &mut rest[..hd * ds],
+                prev,
+                st.decay[t],
+                u,
+                &f.bm[bc_at(t)..bc_at(t) + ds],
+            );
+        }
+    };
+
     // Forward sweep: the state before each block of BLOCK tokens.
     let nblocks = l.div_ceil(BLOCK);
     let mut ckpt = vec![T::zero(); nblocks * hd * ds];
-    let mut s = vec![T::zero(); hd * ds];
     if let Some(s0) = &i.initial_states {
         for pp in 0..hd {
             for n in 0..ds {
-                s[pp * ds + n] = s0[[b, h, pp, n]];
+                ckpt[pp * ds + n] = s0[[b, h, pp, n]];
             }
         }
     }
-    let mut u = vec![T::zero(); hd];
-    for blk in 0..nblocks {
-        ckpt[blk * hd * ds..(blk + 1) * hd * ds].copy_from_slice(&s);
-        if blk + 1 == nblocks {
-            break;
-        }
-        for t in blk * BLOCK..(blk + 1) * BLOCK {
-            u_at(t, &mut u);
-            step(&mut s, st.decay[t], &u, &f.bm[bc_at(t)..bc_at(t) + ds]);
-        }
+    for blk in 0..nblocks - 1 {
+        let (before, after) = ckpt.split_at_mut((blk + 1) * hd * ds);
+        block_states(
+            &mut states,
+            &before[blk * hd * ds..],
+            blk * BLOCK,
+            BLOCK,
+            &mut u,
+        );
+        after[..hd * ds].copy_from_slice(&states[(BLOCK - 1) * hd * ds..]);
     }
 
     let mut r = Unit {
@@ -491,31 +486,13 @@ fn unit_body<T: Real>(
             }
         }
     }
-    // The block's states after each of its tokens, `[BLOCK, headdim, dstate]`.
-    let mut states = vec![T::zero(); BLOCK * hd * ds];
     let mut ybar = vec![T::zero(); hd];
     let mut du = vec![T::zero(); hd];
     for blk in (0..nblocks).rev() {
         let t0 = blk * BLOCK;
         let nt = BLOCK.min(l - t0);
         let before = &ckpt[blk * hd * ds..(blk + 1) * hd * ds];
-        for k in 0..nt {
-            let (done, rest) = states.split_at_mut(k * hd * ds);
-            let prev = if k == 0 {
-                before
-            } else {
-                &done[(k - 1) * hd * ds..]
-            };
-            let t = t0 + k;
-            u_at(t, &mut u);
-            step_into(
-                &mut rest[..hd * ds],
-                prev,
-                st.decay[t],
-                &u,
-                &f.bm[bc_at(t)..bc_at(t) + ds],
-            );
-        }
+        block_states(&mut states, before, t0, nt, &mut u);
         for k in (0..nt).rev() {
             let t = t0 + k;
             let s_t = &states[k * hd * ds..(k + 1) * hd * ds];

@@ -299,7 +299,7 @@ fn invalid(msg: String) -> ReferenceError {
     ReferenceError::InvalidProblem(msg)
 }
 
-fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<(), ReferenceError> {
+pub(crate) fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<(), ReferenceError> {
     if got != want {
         return Err(invalid(format!(
             "tensor `{name}` has shape {got:?}, expected {want:?} from dims"
@@ -308,9 +308,9 @@ fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<(), Referenc
     Ok(())
 }
 
-fn check_finite<T: Real, D: ndarray::Dimension>(
+pub(crate) fn check_finite<T: Real, S: ndarray::Data<Elem = T>, D: ndarray::Dimension>(
     name: &str,
-    a: &ndarray::Array<T, D>,
+    a: &ndarray::ArrayBase<S, D>,
 ) -> Result<(), ReferenceError> {
     // `iter` walks in logical row-major order whatever the memory layout.
     if let Some((flat, v)) = a.iter().enumerate().find(|(_, v)| !v.is_finite()) {

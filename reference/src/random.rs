@@ -135,9 +135,14 @@ impl SpecRng {
         lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
     }
 
+    /// Uniform in `[0, 1)`: the top 53 bits of the next draw.
+    pub fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64) / ((1u64 << 53) as f64)
+    }
+
     /// True with probability `p`.
     pub fn chance(&mut self, p: f64) -> bool {
-        ((self.next_u64() >> 11) as f64) / ((1u64 << 53) as f64) < p
+        self.unit() < p
     }
 
     /// One of `v`, uniformly.

@@ -137,8 +137,7 @@ pub fn backward_tensors(problem: &Problem<f64>, seed: u64) -> Vec<(&'static str,
     let mut rng = ssd_reference::random::SpecRng::new(seed);
     let mut draw = |shape: (usize, usize, usize, usize)| {
         let mut a = ndarray::Array4::<f64>::zeros(shape);
-        a.iter_mut()
-            .for_each(|v| *v = 2.0 * ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64) - 1.0);
+        a.iter_mut().for_each(|v| *v = 2.0 * rng.unit() - 1.0);
         a
     };
     let dout = draw((d.batch, d.seqlen, d.nheads, d.headdim));

@@ -148,6 +148,19 @@ fn grad_refuses_a_case_without_dout_and_bad_upstream_gradients() {
     assert!(e.contains("`dout`") && e.contains("[2, 21, 4, 2]"), "{e}");
     assert!(!out.exists(), "nothing is written on failure");
 
+    // The case's own tensor file as the output: refused, and left as it was.
+    let (case, _) = case_with(&dir, &[("dout", Array4::zeros((2, 21, 4, 3)))]);
+    let tensors = case.with_extension("safetensors");
+    let before = fs::read(&tensors).unwrap();
+    let o = oracle(&["grad", "--case", s(&case), "--out", s(&tensors)]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("refusing to overwrite an input"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(fs::read(&tensors).unwrap(), before);
+
     let (case, _) = case_with(
         &dir,
         &[

@@ -44,10 +44,12 @@ pub struct Args {
 ///
 /// # Errors
 /// Any [`VerifyError`]: an unreadable case, `dout` missing or of the wrong shape or dtype,
-/// `dfinal_states` of the wrong shape, an unusable output path.
+/// `dfinal_states` of the wrong shape, an unusable output path (one of the case's own files
+/// included).
 pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     super::run::check_out_path(&args.out)?;
     let loaded = fixture::read_case(&args.case)?;
+    super::run::check_not_an_input(&args.out, &loaded)?;
     let problem = &loaded.case.problem;
     let tensors = TensorFile::open(&loaded.tensors_path)?;
     let upstream = |name: &str, required: bool| -> Result<Option<Array4<f64>>, VerifyError> {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use ssd_verify::fixture::{self, Outputs};
+use ssd_verify::fixture::{self, LoadedCase, Outputs};
 use ssd_verify::VerifyError;
 
 use super::{
@@ -58,15 +58,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     check_combination(args.implementation, precision)?;
     check_out_path(&args.out)?;
     let loaded = fixture::read_case(&args.case)?;
-    for input in [&loaded.manifest_path, &loaded.tensors_path] {
-        if same_file(&args.out, input) {
-            return Err(VerifyError::Usage(format!(
-                "--out `{}` is the case's own file `{}`: refusing to overwrite an input",
-                args.out.display(),
-                input.display()
-            )));
-        }
-    }
+    check_not_an_input(&args.out, &loaded)?;
     let problem = &loaded.case.problem;
     check_output_size(problem, args.implementation)?;
     let prepared = Prepared::new(problem, precision);
@@ -179,6 +171,20 @@ pub(super) fn check_out_path(out: &Path) -> Result<(), VerifyError> {
             out.display(),
             parent.display()
         )));
+    }
+    Ok(())
+}
+
+/// Refuses an output path that names one of the case's own files.
+pub(super) fn check_not_an_input(out: &Path, loaded: &LoadedCase) -> Result<(), VerifyError> {
+    for input in [&loaded.manifest_path, &loaded.tensors_path] {
+        if same_file(out, input) {
+            return Err(VerifyError::Usage(format!(
+                "--out `{}` is the case's own file `{}`: refusing to overwrite an input",
+                out.display(),
+                input.display()
+            )));
+        }
     }
     Ok(())
 }
