@@ -25,6 +25,7 @@
 //! `docs/cpu.md` says how the CPU code is built and how fast it runs.
 
 pub mod adjoint;
+pub mod adjoint_magnitude;
 pub mod chunk_cumsum;
 pub mod chunked;
 pub mod compute_out;

@@ -470,7 +470,7 @@ fn dot3(c: &[f64], v: [&[f64]; 3]) -> [f64; 3] {
 /// the largest product of a term's non-decay factors,
 /// `(1 + max|C|) (1 + max|dt'| max|x| max|B| + max|S_init|) + max|D| max|x|`,
 /// plus `chunk_size max|dt' A|` for `dA_cumsum`.
-fn floor_scale(p: &Problem<f64>) -> f64 {
+pub(crate) fn floor_scale(p: &Problem<f64>) -> f64 {
     let d = *p.dims();
     let i = p.inputs();
     let max_abs = |it: &mut dyn Iterator<Item = f64>| it.fold(0.0_f64, |m, v| m.max(v.abs()));

@@ -333,7 +333,9 @@ pub fn diagnose(
 ) -> Result<Diagnosis, VerifyError> {
     let mut maps = Vec::new();
     for (name, t, dtype) in present {
-        if verdict.tensor(*name).is_none_or(|r| r.passed()) {
+        // The maps and hints are the forward's stages; a failing gradient is reported by its
+        // worst element.
+        if name.is_gradient() || verdict.tensor(*name).is_none_or(|r| r.passed()) {
             continue;
         }
         let r = oracle.ratios(*name, t, *dtype, precision)?;
@@ -350,7 +352,8 @@ pub fn diagnose(
 /// The map of one tensor from its ratios (any ratios of the tensor's shape).
 ///
 /// # Panics
-/// If `ratios` does not have the contract's shape of `name` for `problem`.
+/// If `ratios` does not have the contract's shape of `name` for `problem`, or `name` is a
+/// gradient (the maps are of the forward's outputs).
 pub fn error_map(problem: &Problem<f64>, name: OutputName, ratios: &ArrayD<f64>) -> TensorMap {
     let r = ratios.as_standard_layout();
     let r = r.as_slice().expect("standard layout");
@@ -359,6 +362,7 @@ pub fn error_map(problem: &Problem<f64>, name: OutputName, ratios: &ArrayD<f64>)
         OutputName::DACumsum => map_da(problem, r),
         OutputName::ChunkStates => map_chunk_states(problem, r),
         OutputName::FinalStates => map_final_states(problem, r),
+        g => panic!("no error map for the gradient `{g}`"),
     }
 }
 

@@ -15,6 +15,7 @@ impl From<OutputName> for OutputKind {
             OutputName::FinalStates => OutputKind::FinalStates,
             OutputName::DACumsum => OutputKind::DACumsum,
             OutputName::ChunkStates => OutputKind::ChunkStates,
+            g => panic!("`{g}` is a gradient: its magnitudes are `GradMagnitudes`"),
         }
     }
 }

@@ -228,6 +228,8 @@ fn side_profile(m: &TensorMap) -> Option<(&Profile, &'static str)> {
         OutputName::Out | OutputName::DACumsum => "position_in_chunk",
         OutputName::ChunkStates => "chunk",
         OutputName::FinalStates => "head",
+        // Gradients have no error map (see `diagnose`).
+        _ => "head",
     };
     let axis = match key {
         "position_in_chunk" => "position in chunk",

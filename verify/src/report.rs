@@ -263,7 +263,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:<13} {:<6} {:>11} {:>11} {:>10} {:>14}  worst element",
+            "{:<15} {:<6} {:>11} {:>11} {:>10} {:>14}  worst element",
             "tensor", "dtype", "max abs err", "rel L2 err", "err/bound", "over bound"
         );
         for t in &self.tensors {
@@ -274,7 +274,7 @@ impl Report {
                 .unwrap_or_default();
             let _ = writeln!(
                 s,
-                "{:<13} {:<6} {:>11.3e} {:>11.3e} {:>10.3e} {:>14}  {worst}",
+                "{:<15} {:<6} {:>11.3e} {:>11.3e} {:>10.3e} {:>14}  {worst}",
                 t.name.name(),
                 t.dtype,
                 t.max_abs_error,

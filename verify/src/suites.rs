@@ -15,7 +15,7 @@
 //! Case `k` of a suite draws its values with seed `seed + k`, so a suite is reproducible from
 //! its seed. Inputs are stored as F32 (as an f32 kernel reads them) unless the case says
 //! otherwise; the expected outputs are computed in float64 from the inputs exactly as stored.
-use ndarray::ArrayD;
+use ndarray::{Array4, ArrayD};
 use serde_json::Value;
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
 use ssd_reference::{Dims, Options, Problem};
@@ -133,15 +133,7 @@ fn backward() -> Vec<CaseSpec> {
 /// ([`ssd_reference::random::SpecRng`]) seeded with `seed`, then every gradient the problem's
 /// inputs have, by the adjoint recurrence in float64 (`ssd-oracle grad`'s names).
 pub fn backward_tensors(problem: &Problem<f64>, seed: u64) -> Vec<(&'static str, ArrayD<f64>)> {
-    let d = *problem.dims();
-    let mut rng = ssd_reference::random::SpecRng::new(seed);
-    let mut draw = |shape: (usize, usize, usize, usize)| {
-        let mut a = ndarray::Array4::<f64>::zeros(shape);
-        a.iter_mut().for_each(|v| *v = 2.0 * rng.unit() - 1.0);
-        a
-    };
-    let dout = draw((d.batch, d.seqlen, d.nheads, d.headdim));
-    let dfinal = draw((d.batch, d.nheads, d.headdim, d.dstate));
+    let (dout, dfinal) = upstream_gradients(problem.dims(), seed);
     let g = ssd_reference::adjoint::backward(problem, dout.view(), Some(dfinal.view()))
         .expect("upstream gradients of the problem's shapes");
     let mut v = vec![
@@ -150,6 +142,20 @@ pub fn backward_tensors(problem: &Problem<f64>, seed: u64) -> Vec<(&'static str,
     ];
     v.extend(g.named().into_iter().map(|(n, a)| (n, a.to_owned())));
     v
+}
+
+/// Upstream gradients drawn from `seed`: `dout` `[batch, seqlen, nheads, headdim]` and
+/// `dfinal_states` `[batch, nheads, headdim, dstate]`, uniform in `[-1, 1)`.
+pub fn upstream_gradients(d: &Dims, seed: u64) -> (Array4<f64>, Array4<f64>) {
+    let mut rng = ssd_reference::random::SpecRng::new(seed);
+    let mut draw = |shape: (usize, usize, usize, usize)| {
+        let mut a = Array4::<f64>::zeros(shape);
+        a.iter_mut().for_each(|v| *v = 2.0 * rng.unit() - 1.0);
+        a
+    };
+    let dout = draw((d.batch, d.seqlen, d.nheads, d.headdim));
+    let dfinal = draw((d.batch, d.nheads, d.headdim, d.dstate));
+    (dout, dfinal)
 }
 
 fn smoke() -> Vec<CaseSpec> {

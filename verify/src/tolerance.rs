@@ -21,8 +21,10 @@
 //! number of candidates against them.
 use std::fmt;
 
-use ndarray::ArrayD;
+use ndarray::{ArrayD, ArrayView4};
 use serde::Serialize;
+use ssd_reference::adjoint::{self, Gradients};
+use ssd_reference::adjoint_magnitude::{gradient_magnitudes, GradMagnitudes};
 use ssd_reference::{chunked, naive, ChunkedOutput, MatmulPrecision, Output, Problem, Real};
 
 use crate::error::VerifyError;
@@ -152,6 +154,33 @@ pub enum OutputName {
     DACumsum,
     #[serde(rename = "chunk_states")]
     ChunkStates,
+    /// The gradients of a backward pass (mamba_ssm's names): `[batch, seqlen, nheads, headdim]`.
+    #[serde(rename = "dx")]
+    Dx,
+    /// `[batch, seqlen, nheads]`, with respect to the raw `dt`.
+    #[serde(rename = "ddt")]
+    Ddt,
+    /// `[nheads]`.
+    #[serde(rename = "dA")]
+    DA,
+    /// `[batch, seqlen, ngroups, dstate]`.
+    #[serde(rename = "dB")]
+    DB,
+    /// `[batch, seqlen, ngroups, dstate]`.
+    #[serde(rename = "dC")]
+    DC,
+    /// `[nheads]` or `[nheads, headdim]`, as `D`.
+    #[serde(rename = "dD")]
+    DD,
+    /// `[batch, seqlen, nheads, headdim]`.
+    #[serde(rename = "dz")]
+    Dz,
+    /// `[nheads]`.
+    #[serde(rename = "ddt_bias")]
+    DdtBias,
+    /// `[batch, nheads, headdim, dstate]`.
+    #[serde(rename = "dinitial_states")]
+    DinitialStates,
 }
 
 impl OutputName {
@@ -163,6 +192,19 @@ impl OutputName {
         OutputName::ChunkStates,
     ];
 
+    /// The gradients, in [`ssd_reference::adjoint::Gradients::named`]'s order.
+    pub const GRADIENTS: [OutputName; 9] = [
+        OutputName::Dx,
+        OutputName::Ddt,
+        OutputName::DA,
+        OutputName::DB,
+        OutputName::DC,
+        OutputName::DD,
+        OutputName::Dz,
+        OutputName::DdtBias,
+        OutputName::DinitialStates,
+    ];
+
     /// The contract's name.
     pub fn name(self) -> &'static str {
         match self {
@@ -170,7 +212,34 @@ impl OutputName {
             OutputName::FinalStates => "final_states",
             OutputName::DACumsum => "dA_cumsum",
             OutputName::ChunkStates => "chunk_states",
+            OutputName::Dx => "dx",
+            OutputName::Ddt => "ddt",
+            OutputName::DA => "dA",
+            OutputName::DB => "dB",
+            OutputName::DC => "dC",
+            OutputName::DD => "dD",
+            OutputName::Dz => "dz",
+            OutputName::DdtBias => "ddt_bias",
+            OutputName::DinitialStates => "dinitial_states",
         }
+    }
+
+    /// The output or gradient of this name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .chain(Self::GRADIENTS)
+            .find(|o| o.name() == name)
+    }
+
+    /// A gradient of the backward pass (not an output of the forward).
+    pub fn is_gradient(self) -> bool {
+        self as usize >= Self::ALL.len()
+    }
+
+    /// The input this gradient belongs to (`x` for `dx`, ...); `None` for a forward output.
+    pub fn input(self) -> Option<&'static str> {
+        self.is_gradient().then(|| &self.name()[1..])
     }
 
     /// The names of the axes, for reporting an index.
@@ -180,6 +249,12 @@ impl OutputName {
             OutputName::FinalStates => &["batch", "head", "channel", "state"],
             OutputName::DACumsum => &["batch", "head", "chunk", "position"],
             OutputName::ChunkStates => &["batch", "chunk", "head", "channel", "state"],
+            OutputName::Dx | OutputName::Dz => &["batch", "token", "head", "channel"],
+            OutputName::Ddt => &["batch", "token", "head"],
+            OutputName::DA | OutputName::DdtBias => &["head"],
+            OutputName::DB | OutputName::DC => &["batch", "token", "group", "state"],
+            OutputName::DD => &["head", "channel"],
+            OutputName::DinitialStates => &["batch", "head", "channel", "state"],
         }
     }
 
@@ -206,32 +281,6 @@ fn element_bound(
     SAFETY * ((u.acc + u.reference) * acc + u.io * io + u.op * op + 4.0 * u.reference * tok + floor)
         + u_store * reference.abs()
         + eta_store
-}
-
-/// The per-element bound of output `name` for a candidate computed in `precision` and stored
-/// as `storage`.
-pub fn bounds(
-    mags: &Magnitudes,
-    name: OutputName,
-    reference: &ArrayD<f64>,
-    precision: Precision,
-    storage: Dtype,
-) -> ArrayD<f64> {
-    let u = precision.units();
-    let ch = mags.channels(name);
-    let floor = u.eta * mags.floor_scale;
-    let st = storage_rounding(storage);
-    let mut out = ArrayD::zeros(reference.shape());
-    ndarray::Zip::from(&mut out)
-        .and(reference)
-        .and(&ch.acc)
-        .and(&ch.io)
-        .and(&ch.op)
-        .and(&ch.tok)
-        .for_each(|o, &r, &acc, &io, &op, &tok| {
-            *o = element_bound(&u, floor, st, [acc, io, op, tok], r);
-        });
-    out
 }
 
 /// `|candidate - reference| / bound`: 0 for no error, infinite for a non-finite candidate.
@@ -444,18 +493,44 @@ pub fn reference_outputs(p: &Problem<f64>) -> [ArrayD<f64>; 4] {
     ]
 }
 
+/// The float64 reference gradients of a problem and their magnitudes.
+#[derive(Debug, Clone)]
+struct GradPart {
+    reference: Vec<(OutputName, ArrayD<f64>)>,
+    mags: GradMagnitudes,
+}
+
 /// The reference values and magnitudes of one problem, computed once; checks candidates.
+///
+/// It holds the forward's four outputs ([`Oracle::new`], [`Oracle::with_expected`]), the
+/// gradients of a backward pass ([`Oracle::for_gradients`]), or both
+/// ([`Oracle::add_gradients`]).
 #[derive(Debug, Clone)]
 pub struct Oracle {
-    reference: [ArrayD<f64>; 4],
-    mags: Magnitudes,
+    forward: Option<([ArrayD<f64>; 4], Magnitudes)>,
+    gradients: Option<GradPart>,
+}
+
+/// The channels of one tensor's bound.
+struct ChannelRefs<'a> {
+    mag: &'a ArrayD<f64>,
+    acc: &'a ArrayD<f64>,
+    io: &'a ArrayD<f64>,
+    op: &'a ArrayD<f64>,
+    /// The reference's steps (forward outputs only: the gradients' `acc` holds the reference's
+    /// share, multiplied by `u_acc + u_ref`).
+    tok: Option<&'a ArrayD<f64>>,
+    floor_scale: f64,
 }
 
 impl Oracle {
     /// Computes the float64 reference ([`reference_outputs`]) and the magnitudes of `p`.
     pub fn new(p: &Problem<f64>) -> Self {
         let (reference, mags) = rayon::join(|| reference_outputs(p), || magnitudes(p));
-        Oracle { reference, mags }
+        Oracle {
+            forward: Some((reference, mags)),
+            gradients: None,
+        }
     }
 
     /// Like [`Oracle::new`], but takes the expected values a case carries instead of computing
@@ -470,10 +545,14 @@ impl Oracle {
         if given.iter().all(Option::is_some) {
             let mags = magnitudes(p);
             let reference = given.map(|g| g.expect("checked"));
-            return Oracle { reference, mags };
+            return Oracle {
+                forward: Some((reference, mags)),
+                gradients: None,
+            };
         }
         let mut o = Oracle::new(p);
-        for (slot, g) in o.reference.iter_mut().zip(given) {
+        let (reference, _) = o.forward.as_mut().expect("computed");
+        for (slot, g) in reference.iter_mut().zip(given) {
             if let Some(g) = g {
                 *slot = g;
             }
@@ -481,19 +560,158 @@ impl Oracle {
         o
     }
 
-    /// The reference values of one output.
+    /// The gradients only: the float64 adjoint of `p` pulled back from `dout` and
+    /// `dfinal_states` ([`ssd_reference::adjoint::backward`]) and their magnitudes
+    /// ([`ssd_reference::adjoint_magnitude`]). The forward's outputs are not computed.
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] naming the tensor when `dout` or `dfinal_states` has the wrong
+    /// shape or a non-finite value.
+    pub fn for_gradients(
+        p: &Problem<f64>,
+        dout: ArrayView4<f64>,
+        dfinal_states: Option<ArrayView4<f64>>,
+    ) -> Result<Self, VerifyError> {
+        let (g, mags) = rayon::join(
+            || adjoint::backward(p, dout, dfinal_states),
+            || gradient_magnitudes(p, dout, dfinal_states),
+        );
+        let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
+        let (g, mags) = (g.map_err(usage)?, mags.map_err(usage)?);
+        let reference = g
+            .named()
+            .into_iter()
+            .map(|(name, a)| {
+                let name = OutputName::from_name(name).expect("a gradient's name");
+                (name, a.to_owned())
+            })
+            .collect();
+        Ok(Oracle {
+            forward: None,
+            gradients: Some(GradPart { reference, mags }),
+        })
+    }
+
+    /// This oracle, able to check gradients too ([`Oracle::for_gradients`]).
+    ///
+    /// # Errors
+    /// As [`Oracle::for_gradients`].
+    pub fn add_gradients(
+        mut self,
+        p: &Problem<f64>,
+        dout: ArrayView4<f64>,
+        dfinal_states: Option<ArrayView4<f64>>,
+    ) -> Result<Self, VerifyError> {
+        self.gradients = Oracle::for_gradients(p, dout, dfinal_states)?.gradients;
+        Ok(self)
+    }
+
+    /// Whether the oracle can check `name`: a forward output when it has the forward's part, a
+    /// gradient when it has gradients and the problem has the input.
+    pub fn has(&self, name: OutputName) -> bool {
+        if name.is_gradient() {
+            self.gradients
+                .as_ref()
+                .is_some_and(|g| g.reference.iter().any(|(n, _)| *n == name))
+        } else {
+            self.forward.is_some()
+        }
+    }
+
+    /// The reference values of one output or gradient.
+    ///
+    /// # Panics
+    /// When the oracle cannot check `name` ([`Oracle::has`]).
     pub fn reference(&self, name: OutputName) -> &ArrayD<f64> {
-        &self.reference[name.index()]
+        self.try_reference(name).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// The magnitudes.
+    fn try_reference(&self, name: OutputName) -> Result<&ArrayD<f64>, VerifyError> {
+        let missing = || {
+            VerifyError::Usage(format!(
+                "no reference for `{name}`: {}",
+                if name.is_gradient() {
+                    "the oracle has no gradients, or the case has no such input"
+                } else {
+                    "the oracle was built for gradients only"
+                }
+            ))
+        };
+        if name.is_gradient() {
+            let g = self.gradients.as_ref().ok_or_else(missing)?;
+            g.reference
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, a)| a)
+                .ok_or_else(missing)
+        } else {
+            let (r, _) = self.forward.as_ref().ok_or_else(missing)?;
+            Ok(&r[name.index()])
+        }
+    }
+
+    /// The magnitudes of the forward's outputs.
+    ///
+    /// # Panics
+    /// When the oracle was built for gradients only.
     pub fn magnitudes(&self) -> &Magnitudes {
-        &self.mags
+        &self
+            .forward
+            .as_ref()
+            .expect("the oracle was built for gradients only")
+            .1
     }
 
-    /// The per-element bound of one output.
+    fn channels(&self, name: OutputName) -> Result<ChannelRefs<'_>, VerifyError> {
+        self.try_reference(name)?;
+        if name.is_gradient() {
+            let g = self.gradients.as_ref().expect("checked");
+            let c = g.mags.channels(name.name()).expect("checked");
+            Ok(ChannelRefs {
+                mag: &c.mag,
+                acc: &c.acc,
+                io: &c.io,
+                op: &c.op,
+                tok: None,
+                floor_scale: g.mags.floor_scale,
+            })
+        } else {
+            let m = self.magnitudes();
+            let c = m.channels(name);
+            Ok(ChannelRefs {
+                mag: &c.mag,
+                acc: &c.acc,
+                io: &c.io,
+                op: &c.op,
+                tok: Some(&c.tok),
+                floor_scale: m.floor_scale,
+            })
+        }
+    }
+
+    /// The per-element bound of one output or gradient.
+    ///
+    /// # Panics
+    /// When the oracle cannot check `name` ([`Oracle::has`]).
     pub fn bounds(&self, name: OutputName, precision: Precision, storage: Dtype) -> ArrayD<f64> {
-        bounds(&self.mags, name, self.reference(name), precision, storage)
+        let ch = self.channels(name).unwrap_or_else(|e| panic!("{e}"));
+        let u = precision.units();
+        let floor = u.eta * ch.floor_scale;
+        let st = storage_rounding(storage);
+        let reference = self.reference(name);
+        let zeros = ArrayD::<f64>::zeros(reference.shape());
+        let tok = ch.tok.unwrap_or(&zeros);
+        let mut out = ArrayD::zeros(reference.shape());
+        ndarray::Zip::from(&mut out)
+            .and(reference)
+            .and(ch.acc)
+            .and(ch.io)
+            .and(ch.op)
+            .and(tok)
+            .for_each(|o, &r, &acc, &io, &op, &tok| {
+                *o = element_bound(&u, floor, st, [acc, io, op, tok], r);
+            });
+        out
     }
 
     /// The per-element ratio `|candidate - reference| / bound` of one output (0 where the
@@ -501,7 +719,7 @@ impl Oracle {
     /// row-major layout: the input of the failure map ([`crate::diagnose`]).
     ///
     /// # Errors
-    /// [`VerifyError::Usage`] when the shapes differ.
+    /// [`VerifyError::Usage`] when the shapes differ or the oracle cannot check `name`.
     pub fn ratios(
         &self,
         name: OutputName,
@@ -524,7 +742,7 @@ impl Oracle {
         name: OutputName,
         candidate: &ArrayD<f64>,
     ) -> Result<&ArrayD<f64>, VerifyError> {
-        let expected = self.reference(name);
+        let expected = self.try_reference(name)?;
         if candidate.shape() != expected.shape() {
             return Err(VerifyError::Usage(format!(
                 "candidate `{name}` has shape {:?}, expected {:?}",
@@ -538,7 +756,7 @@ impl Oracle {
     /// Compares one candidate tensor, stored as `storage`, with the reference.
     ///
     /// # Errors
-    /// [`VerifyError::Usage`] when the shapes differ.
+    /// [`VerifyError::Usage`] when the shapes differ or the oracle cannot check `name`.
     pub fn compare(
         &self,
         name: OutputName,
@@ -547,12 +765,18 @@ impl Oracle {
         precision: Precision,
     ) -> Result<TensorReport, VerifyError> {
         let expected = self.same_shape(name, candidate)?;
+        let ch = self.channels(name)?;
         let u = precision.units();
-        let ch = self.mags.channels(name);
-        let floor = u.eta * self.mags.floor_scale;
+        let floor = u.eta * ch.floor_scale;
         let st = storage_rounding(storage);
         let uh = precision.unit_roundoff();
         let shape = expected.shape().to_vec();
+        let zeros = ArrayD::<f64>::zeros(if ch.tok.is_some() {
+            &[][..]
+        } else {
+            expected.shape()
+        });
+        let tok = ch.tok.unwrap_or(&zeros);
 
         let mut max_abs = 0.0_f64;
         let (mut err2, mut ref2) = (0.0_f64, 0.0_f64);
@@ -565,7 +789,7 @@ impl Oracle {
             .iter()
             .zip(expected.iter())
             .zip(ch.acc.iter().zip(ch.io.iter()))
-            .zip(ch.op.iter().zip(ch.tok.iter()).zip(ch.mag.iter()));
+            .zip(ch.op.iter().zip(tok.iter()).zip(ch.mag.iter()));
         for (flat, (((&c, &r), (&acc, &io)), ((&op, &tok), &m))) in it.enumerate() {
             let bound = element_bound(&u, floor, st, [acc, io, op, tok], r);
             if m > 0.0 {
@@ -637,6 +861,28 @@ impl Oracle {
             .tensors()
             .into_iter()
             .map(|(name, t)| self.compare(name, t, candidate.dtype, precision))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Verdict { precision, tensors })
+    }
+
+    /// Checks every gradient in `g` (computed or stored as `storage`).
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] when a gradient's shape differs from the reference's or the
+    /// oracle has no gradients.
+    pub fn check_gradients<T: Real>(
+        &self,
+        g: &Gradients<T>,
+        storage: Dtype,
+        precision: Precision,
+    ) -> Result<Verdict, VerifyError> {
+        let tensors = g
+            .named()
+            .into_iter()
+            .map(|(name, a)| {
+                let name = OutputName::from_name(name).expect("a gradient's name");
+                self.compare(name, &a.mapv(Real::as_f64), storage, precision)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Verdict { precision, tensors })
     }

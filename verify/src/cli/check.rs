@@ -3,7 +3,8 @@
 //!
 //! Exit status: 0 every element within its bound; 1 some element over its bound, or NaN or
 //! infinite (reported with its index); 2 unusable input (a file that cannot be read, a missing
-//! `out`, a tensor of the wrong shape or dtype, a `--plot` path that is not `.svg` or cannot be
+//! `out` (or gradients), a tensor of the wrong shape or dtype, a gradient of an input the case
+//! does not have or without the case's `dout`, a `--plot` path that is not `.svg` or cannot be
 //! written), with a one-line reason.
 
 use std::path::PathBuf;
@@ -16,9 +17,12 @@ use ssd_verify::tolerance::{Oracle, OutputName, Precision};
 use ssd_verify::VerifyError;
 
 /// Check a kernel's outputs against a case: every output the candidate file holds (`out` at
-/// least; `final_states`, `dA_cumsum`, `chunk_states` when present), in any float dtype.
-/// Expected values come from the case, or are computed (float64 naive recurrence) when it has
-/// none.
+/// least; `final_states`, `dA_cumsum`, `chunk_states` when present) and every gradient of a
+/// backward pass (`dx`, `ddt`, `dA`, `dB`, `dC`, `dD`, `dz`, `ddt_bias`, `dinitial_states`;
+/// a candidate of gradients only needs no `out`), in any float dtype. Expected outputs come
+/// from the case, or are computed (float64 naive recurrence) when it has none; expected
+/// gradients are computed by the float64 adjoint recurrence from the case's `dout` (and
+/// `dfinal_states`).
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The case's manifest (ssd-fixture/1 JSON).
@@ -26,7 +30,9 @@ pub struct Args {
     pub case: PathBuf,
 
     /// The kernel's outputs: a safetensors file with `out` (and optionally `final_states`,
-    /// `dA_cumsum`, `chunk_states`) laid out as the contract says.
+    /// `dA_cumsum`, `chunk_states`) and/or gradients (`dx`, `ddt`, `dA`, `dB`, `dC`, `dD`,
+    /// `dz`, `ddt_bias`, `dinitial_states`, each of its input's shape) laid out as the
+    /// contract says.
     #[arg(long, value_name = "CAND.safetensors")]
     pub candidate: PathBuf,
 
@@ -47,6 +53,18 @@ pub struct Args {
     pub plot: Option<PathBuf>,
 }
 
+/// Whether the case has the (differentiable) input `name`.
+fn case_has_input(problem: &ssd_reference::Problem<f64>, name: &str) -> bool {
+    let i = problem.inputs();
+    match name {
+        "D" => i.D.is_some(),
+        "z" => i.z.is_some(),
+        "dt_bias" => i.dt_bias.is_some(),
+        "initial_states" => i.initial_states.is_some(),
+        _ => true,
+    }
+}
+
 /// Runs the subcommand.
 ///
 /// # Errors
@@ -63,36 +81,78 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     let dims = problem.dims();
     let chunk = problem.options().chunk_size;
 
+    // The forward's outputs (`out` required when any is given) and the gradients.
     let mut present = Vec::new();
-    for name in OutputName::ALL {
+    for name in OutputName::ALL.into_iter().chain(OutputName::GRADIENTS) {
         let Some(t) = file.read_float_opt(name.name())? else {
-            if name == OutputName::Out {
+            continue;
+        };
+        if let Some(input) = name.input() {
+            if !case_has_input(problem, input) {
                 return Err(VerifyError::Tensors {
                     path: args.candidate.clone(),
                     message: format!(
-                        "tensor `out` is missing (the candidate must hold at least `out`; found: {})",
-                        list_names(&file.names())
+                        "tensor `{name}` is the gradient of `{input}`, which the case does not have"
                     ),
                 });
             }
-            continue;
-        };
-        check_candidate_shape(name, t.data.shape(), dims, chunk).map_err(|message| {
-            VerifyError::Tensors {
-                path: args.candidate.clone(),
-                message,
-            }
-        })?;
+        } else {
+            check_candidate_shape(name, t.data.shape(), dims, chunk).map_err(|message| {
+                VerifyError::Tensors {
+                    path: args.candidate.clone(),
+                    message,
+                }
+            })?;
+        }
         present.push((name, t));
+    }
+    let forward = present.iter().any(|(n, _)| !n.is_gradient());
+    let gradients = present.iter().any(|(n, _)| n.is_gradient());
+    if !present.iter().any(|(n, _)| *n == OutputName::Out) && (forward || !gradients) {
+        return Err(VerifyError::Tensors {
+            path: args.candidate.clone(),
+            message: format!(
+                "tensor `out` is missing (the candidate must hold at least `out`, or only gradients; found: {})",
+                list_names(&file.names())
+            ),
+        });
     }
     let ignored: Vec<String> = file
         .names()
         .into_iter()
-        .filter(|n| OutputName::ALL.iter().all(|o| o.name() != n))
+        .filter(|n| OutputName::from_name(n).is_none())
         .collect();
 
-    let oracle = Oracle::with_expected(problem, &loaded.case.expected);
-    check_stored_magnitudes(&args.case, &loaded.case.expected, &oracle)?;
+    let mut oracle = None;
+    if forward {
+        let o = Oracle::with_expected(problem, &loaded.case.expected);
+        check_stored_magnitudes(&args.case, &loaded.case.expected, &o)?;
+        oracle = Some(o);
+    }
+    if gradients {
+        let (dout, dfinal) = super::grad::read_upstream(&loaded)?;
+        let (dout, dfinal) = (dout.view(), dfinal.as_ref().map(|a| a.view()));
+        oracle = Some(match oracle {
+            Some(o) => o.add_gradients(problem, dout, dfinal)?,
+            None => Oracle::for_gradients(problem, dout, dfinal)?,
+        });
+        for (name, t) in &present {
+            if name.is_gradient() {
+                let want = oracle.as_ref().expect("built").reference(*name).shape();
+                if t.data.shape() != want {
+                    return Err(VerifyError::Tensors {
+                        path: args.candidate.clone(),
+                        message: format!(
+                            "tensor `{name}` has shape {:?}, expected {want:?} (the shape of `{}` in the case)",
+                            t.data.shape(),
+                            name.input().expect("a gradient")
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    let oracle = oracle.expect("out or a gradient is present");
 
     let tensors: Vec<_> = present
         .iter()

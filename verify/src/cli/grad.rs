@@ -51,25 +51,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     let loaded = fixture::read_case(&args.case)?;
     super::run::check_not_an_input(&args.out, &loaded)?;
     let problem = &loaded.case.problem;
-    let tensors = TensorFile::open(&loaded.tensors_path)?;
-    let upstream = |name: &str, required: bool| -> Result<Option<Array4<f64>>, VerifyError> {
-        let t = if required {
-            Some(tensors.read_float(name)?)
-        } else {
-            tensors.read_float_opt(name)?
-        };
-        t.map(|t| {
-            t.data
-                .into_dimensionality::<Ix4>()
-                .map_err(|_| VerifyError::Tensors {
-                    path: loaded.tensors_path.clone(),
-                    message: format!("tensor `{name}` must have 4 dimensions"),
-                })
-        })
-        .transpose()
-    };
-    let dout = upstream("dout", true)?.expect("required");
-    let dfinal = upstream("dfinal_states", false)?;
+    let (dout, dfinal) = read_upstream(&loaded)?;
 
     let t0 = Instant::now();
     let mut w = TensorWriter::new();
@@ -101,6 +83,44 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         rayon::current_num_threads(),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The upstream gradients a case stores: `dout` (required; an error naming it when missing,
+/// not of a float dtype, or not of `[batch, seqlen, nheads, headdim]`) and `dfinal_states`
+/// (optional; `[batch, nheads, headdim, dstate]`).
+///
+/// # Errors
+/// [`VerifyError::Tensors`] naming the tensor and the case's tensor file.
+pub(crate) fn read_upstream(
+    loaded: &fixture::LoadedCase,
+) -> Result<(Array4<f64>, Option<Array4<f64>>), VerifyError> {
+    let tensors = TensorFile::open(&loaded.tensors_path)?;
+    let d = *loaded.case.problem.dims();
+    let upstream = |name: &str, want: [usize; 4]| -> Result<Option<Array4<f64>>, VerifyError> {
+        let Some(t) = tensors.read_float_opt(name)? else {
+            return Ok(None);
+        };
+        if t.data.shape() != want {
+            return Err(VerifyError::Tensors {
+                path: loaded.tensors_path.clone(),
+                message: format!(
+                    "tensor `{name}` has shape {:?}, expected {want:?} from the case",
+                    t.data.shape()
+                ),
+            });
+        }
+        Ok(Some(
+            t.data.into_dimensionality::<Ix4>().expect("4 dimensions"),
+        ))
+    };
+    let dout = upstream("dout", [d.batch, d.seqlen, d.nheads, d.headdim])?.ok_or_else(|| {
+        VerifyError::Tensors {
+            path: loaded.tensors_path.clone(),
+            message: "tensor `dout` is missing (the upstream gradient of `out`, which gradients are pulled back from; `ssd-oracle gen --suite backward` writes cases with it)".into(),
+        }
+    })?;
+    let dfinal = upstream("dfinal_states", [d.batch, d.nheads, d.headdim, d.dstate])?;
+    Ok((dout, dfinal))
 }
 
 /// The adjoint, its shape errors reported against the case's tensor file.

@@ -1,0 +1,153 @@
+//! Calibration of the gradient error model: the largest error/bound ratio over many random
+//! cases, per implementation and gradient, for correct backward passes (no false alarm
+//! allowed).
+//!
+//! `grad_calibration_quick` runs in the default suite; `grad_calibration_10k` (ignored) is the
+//! recorded run of `docs/tolerances.md`:
+//!
+//! ```text
+//! CALIBRATION_CASES=10000 cargo test -p ssd-verify --release --test grad_calibration -- --ignored --nocapture
+//! ```
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use ndarray::Array4;
+use rayon::prelude::*;
+use ssd_reference::adjoint::{self, Gradients};
+use ssd_reference::Problem;
+use ssd_verify::fixture::Dtype;
+use ssd_verify::fuzz::{cases, FuzzCase, DEFAULT_SEED};
+use ssd_verify::suites::upstream_gradients;
+use ssd_verify::tolerance::{Oracle, Precision, Verdict};
+
+/// A backward pass: the problem and upstream gradients in, the gradients and the dtype they
+/// were computed in out.
+type Backward = fn(&Problem<f64>, &Array4<f64>, &Array4<f64>) -> (Gradients<f64>, Dtype);
+
+/// One correct backward pass: its label, the precision it claims, and how it computes.
+struct Path {
+    label: &'static str,
+    precision: Precision,
+    run: Backward,
+}
+
+fn widen(g: Gradients<f32>) -> Gradients<f64> {
+    let w4 = |a: ndarray::Array4<f32>| a.mapv(f64::from);
+    Gradients {
+        dx: w4(g.dx),
+        ddt: g.ddt.mapv(f64::from),
+        dA: g.dA.mapv(f64::from),
+        dB: w4(g.dB),
+        dC: w4(g.dC),
+        dD: g.dD.map(|a| a.mapv(f64::from)),
+        dz: g.dz.map(w4),
+        ddt_bias: g.ddt_bias.map(|a| a.mapv(f64::from)),
+        dinitial_states: g.dinitial_states.map(w4),
+    }
+}
+
+fn adjoint_f32(
+    p: &Problem<f64>,
+    dout: &Array4<f64>,
+    dfin: &Array4<f64>,
+) -> (Gradients<f64>, Dtype) {
+    let p32: Problem<f32> = p.cast();
+    let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
+    let g = adjoint::backward(&p32, o.view(), Some(f.view())).expect("shapes agree");
+    (widen(g), Dtype::F32)
+}
+
+fn paths() -> Vec<Path> {
+    vec![Path {
+        label: "adjoint recurrence f32, at f32",
+        precision: Precision::F32,
+        run: adjoint_f32,
+    }]
+}
+
+#[derive(Default)]
+struct Stats {
+    /// (label, gradient) -> (worst ratio, cases, failing cases, worst case)
+    worst: BTreeMap<(String, String), (f64, usize, usize, String)>,
+}
+
+impl Stats {
+    fn add(&mut self, label: &str, case: &FuzzCase, v: &Verdict) {
+        for t in &v.tensors {
+            let e = self
+                .worst
+                .entry((label.to_string(), t.name.to_string()))
+                .or_insert((0.0, 0, 0, String::new()));
+            e.1 += 1;
+            if !t.passed() {
+                e.2 += 1;
+            }
+            if t.max_ratio() >= e.0 {
+                e.0 = t.max_ratio();
+                e.3 = case.to_string();
+            }
+        }
+    }
+
+    fn print(&self) {
+        for ((label, name), (w, n, bad, case)) in &self.worst {
+            println!("{label:<44} {name:<16} worst {w:.3} over {n} cases, {bad} failing; worst at {case}");
+        }
+    }
+
+    fn failures(&self) -> Vec<String> {
+        self.worst
+            .iter()
+            .filter(|(_, v)| v.2 > 0)
+            .map(|((l, n), v)| {
+                format!(
+                    "{l} {n}: {} of {} cases over the bound (worst {:.3}, {})",
+                    v.2, v.1, v.0, v.3
+                )
+            })
+            .collect()
+    }
+}
+
+fn calibrate(n: usize, seed: u64) -> Stats {
+    let stats = Mutex::new(Stats::default());
+    let paths = paths();
+    cases(n, seed).par_iter().for_each(|case| {
+        let p = case.problem();
+        let (dout, dfin) = upstream_gradients(p.dims(), case.seed);
+        let oracle =
+            Oracle::for_gradients(&p, dout.view(), Some(dfin.view())).expect("shapes agree");
+        for path in &paths {
+            let (g, dtype) = (path.run)(&p, &dout, &dfin);
+            let v = oracle
+                .check_gradients(&g, dtype, path.precision)
+                .expect("shapes agree");
+            stats.lock().unwrap().add(path.label, case, &v);
+        }
+    });
+    stats.into_inner().unwrap()
+}
+
+#[test]
+fn grad_calibration_quick() {
+    let s = calibrate(48, DEFAULT_SEED);
+    s.print();
+    let f = s.failures();
+    assert!(f.is_empty(), "false alarms:\n{}", f.join("\n"));
+}
+
+#[test]
+#[ignore = "the recorded calibration run (minutes); see docs/tolerances.md"]
+fn grad_calibration_10k() {
+    let n = std::env::var("CALIBRATION_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let s = calibrate(n, DEFAULT_SEED);
+    s.print();
+    let f = s.failures();
+    assert!(f.is_empty(), "false alarms:\n{}", f.join("\n"));
+}
