@@ -83,8 +83,9 @@ pub enum Rounding {
 }
 
 impl Rounding {
+    /// `v` rounded as a matrix-product operand.
     #[inline]
-    fn apply<T: Real>(self, v: T) -> T {
+    pub fn apply<T: Real>(self, v: T) -> T {
         match self {
             Rounding::None => v,
             Rounding::Tf32 => T::lit(round_bits(v.as_f64(), 11)),

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod grad_faults;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
