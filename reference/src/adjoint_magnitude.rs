@@ -28,7 +28,13 @@
 //!     the cumsum's error), and at a chunk's first token `CROSSING + 2 phi_last` of the
 //!     previous chunk (the state pass: exp of that chunk's total, multiply, add);
 //!   - at the gradient: the dot products over `dstate` or `headdim` (and the heads of a group)
-//!     and the products with the token's factors.
+//!     and the products with the token's factors;
+//!   - for `ddt`, `dA`, `ddt_bias` (the decay's gradient): a chunked schedule sums the gradient
+//!     of the within-chunk cumsum backwards over the chunk, where a term spanning `j+1..i`
+//!     enters at `i` and cancels at `j`: exactly, but not its rounding. So token `k` carries
+//!     the budgets of every term spanning any later token of its chunk (a reverse
+//!     within-chunk sum of the per-token budgets, the terms created and read at one token
+//!     included), and `2 chunk_size + nchunks` more additions.
 //!
 //!   The same per-token weights bound the token-by-token recurrence (the adjoint itself, and the
 //!   float64 reference) and any chunked schedule.
@@ -493,6 +499,7 @@ fn lane(
         }
     }
     let mut du = [vec![0.0; hd], vec![0.0; hd]];
+    let mut tail = [0.0; 2];
     for t in (0..l).rev() {
         let k0 = t % BLOCK;
         if t == l - 1 || k0 == BLOCK - 1 {
@@ -567,19 +574,40 @@ fn lane(
         }
         let a_t = tk.decay[t];
         let decay_w = 4.0 + tk.a_err[t];
-        let (m2, e2) = (a_abs * a_t * dam, a_abs * a_t * (dae + decay_w * dam));
-        // The chunked form takes the decay's gradient through a reverse cumsum within the chunk
-        // and a sum over chunks: up to chunk_size + nchunks more additions per term.
+        // The decay's gradient of token t, without the factor A (for dA) and with it (ddt').
+        let (ma, ea) = (a_t * dam, a_t * (dae + decay_w * dam));
+        // A chunked schedule takes it through the gradient of the within-chunk cumsum, then a
+        // reverse cumsum over the chunk: a term spanning tokens j+1..i enters at i and leaves
+        // at j, and the two cancel exactly for every token k <= j, but not their rounding. So
+        // token k's result carries the rounding of every term spanning any token of the rest
+        // of its chunk: the reverse within-chunk sum of the per-token budgets (`tail`), plus
+        // up to chunk_size + nchunks more additions per term.
+        if t == l - 1 || (t + 1) % p.options().chunk_size == 0 {
+            tail = [0.0; 2];
+        }
+        // The chunk's terms of the cumsum's gradient at token t also include the term created
+        // and read at t itself (`C_t . B_t dt'_t ybar_t . x_t`, no decay): it enters and leaves
+        // at t, so it spans no token and no `da` holds it.
+        let cb: f64 = (0..ds).map(|n| cm(t, n) * bm(t, n)).sum();
+        let yx: f64 = (0..hd)
+            .map(|pp| dout[[b, t, h, pp]].abs() * gate[t * hd + pp][0] * x(t, pp))
+            .sum();
+        let diag = dtp * yx * cb;
+        tail[0] += ma + diag;
+        tail[1] += ea + (CREATE + (ds + hd) as f64 + 4.0 + gate_acc) * diag + rho * yx * cb;
         let cs_depth = 2.0 * chunk + nchunks;
-        let (mt, et) = (m1 + m2, e1 + e2 + cs_depth * (m1 + m2));
+        let (mt, et) = (
+            m1 + a_abs * ma,
+            e1 + a_abs * (tail[1] + cs_depth * tail[0]) + cs_depth * m1,
+        );
         let dd = tk.ddtp_ddt[t];
         let ddt = [dd * mt, dd * (et + (4.0 + tk.ddtp_sens[t]) * mt)];
         r.ddt[0][t] = ddt[0];
         r.ddt[1][t] = ddt[1];
         r.ddt_bias[0] += ddt[0];
         r.ddt_bias[1] += ddt[1];
-        r.da[0] += dtp * a_t * dam;
-        r.da[1] += dtp * a_t * (dae + (decay_w + cs_depth) * dam) + rho * a_t * dam;
+        r.da[0] += dtp * ma;
+        r.da[1] += dtp * (tail[1] + cs_depth * tail[0]) + rho * ma;
         // The decay backwards across token t (0 at a reset).
         let w = tk.w[t];
         for k in 0..ns {

@@ -14,6 +14,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use common::grad_faults::{self, GradFault, Rounding};
 use ndarray::Array4;
 use rayon::prelude::*;
 use ssd_reference::adjoint::{self, Gradients};
@@ -60,12 +61,61 @@ fn adjoint_f32(
     (widen(g), Dtype::F32)
 }
 
+/// The plain-loops chunked backward (`common::grad_faults`, no fault) in f32 with `rounding`.
+fn loops_f32(
+    p: &Problem<f64>,
+    dout: &Array4<f64>,
+    dfin: &Array4<f64>,
+    rounding: Rounding,
+) -> (Gradients<f64>, Dtype) {
+    let p32: Problem<f32> = p.cast();
+    let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
+    let g = grad_faults::backward(&p32, o.view(), Some(f.view()), GradFault::None, rounding);
+    (widen(g), Dtype::F32)
+}
+
 fn paths() -> Vec<Path> {
-    vec![Path {
-        label: "adjoint recurrence f32, at f32",
-        precision: Precision::F32,
-        run: adjoint_f32,
-    }]
+    vec![
+        Path {
+            label: "adjoint recurrence f32, at f32",
+            precision: Precision::F32,
+            run: adjoint_f32,
+        },
+        Path {
+            label: "plain-loops chunked f64, at f64",
+            precision: Precision::F64,
+            run: |p, o, f| {
+                let g = grad_faults::backward(
+                    p,
+                    o.view(),
+                    Some(f.view()),
+                    GradFault::None,
+                    Rounding::None,
+                );
+                (g, Dtype::F64)
+            },
+        },
+        Path {
+            label: "plain-loops chunked f32, at f32",
+            precision: Precision::F32,
+            run: |p, o, f| loops_f32(p, o, f, Rounding::None),
+        },
+        Path {
+            label: "plain-loops TF32 (rounding), at tf32",
+            precision: Precision::Tf32,
+            run: |p, o, f| loops_f32(p, o, f, Rounding::Tf32),
+        },
+        Path {
+            label: "plain-loops TF32 (truncating), at tf32",
+            precision: Precision::Tf32,
+            run: |p, o, f| loops_f32(p, o, f, Rounding::Tf32Truncate),
+        },
+        Path {
+            label: "plain-loops BF16 (bf16 inputs, dout, operands), at bf16",
+            precision: Precision::Bf16,
+            run: |p, o, f| loops_f32(p, o, f, Rounding::Bf16),
+        },
+    ]
 }
 
 #[derive(Default)]
