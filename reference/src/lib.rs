@@ -27,6 +27,7 @@
 pub mod adjoint;
 pub mod chunk_cumsum;
 pub mod chunked;
+pub mod chunked_backward;
 pub mod compute_out;
 pub mod definition;
 mod flat;
