@@ -520,7 +520,8 @@ fn transposed<T>(a: &[T], cols: usize) -> Mat<'_, T> {
     }
 }
 
-/// The chunk's rows of `x`, `B`, `C`, `ybar` and the chunk's states, for one stage.
+/// What a stage reads: the problem's tensors and stage 1's output as flat slices ([`Flat`])
+/// and `ybar`; its methods copy out the chunk rows the matrix products take.
 struct Operands<'a, T: Real> {
     f: Flat<'a, T>,
     ybar: &'a [T],
