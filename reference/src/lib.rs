@@ -10,7 +10,12 @@
 //!   The stage functions are public and can be run one by one; [`chunked::forward`] runs them
 //!   in one of two bit-identical schedules ([`chunked::Schedule`]).
 //!
-//! Both are generic over `f32` and `f64` ([`Real`]) and parallel over independent work with
+//! Gradients come from two backward passes: [`adjoint`], the reverse-mode derivative of the
+//! recurrence (in float64 the gradient ground truth), and [`chunked_backward`], the derivative
+//! of the chunked path stage by stage as mamba_ssm's backward kernels run it, with every
+//! intermediate (and optionally TF32-rounded matrix products).
+//!
+//! All of them are generic over `f32` and `f64` ([`Real`]) and parallel over independent work with
 //! rayon's global pool; results do not depend on the number of threads. The chunked path can
 //! round every matrix-product operand to TF32 ([`MatmulPrecision::Tf32`]) to emulate a correct
 //! TF32 tensor-core kernel.
@@ -28,6 +33,7 @@ pub mod adjoint;
 pub mod adjoint_magnitude;
 pub mod chunk_cumsum;
 pub mod chunked;
+pub mod chunked_backward;
 pub mod compute_out;
 pub mod definition;
 mod flat;
