@@ -173,3 +173,158 @@ fn grad_refuses_a_case_without_dout_and_bad_upstream_gradients() {
     assert!(stderr(&o).contains("`dfinal_states`"), "{}", stderr(&o));
     assert!(!out.exists(), "nothing is written on failure");
 }
+
+/// `check` on gradient candidates: what `grad` writes passes at its own precision, a TF32
+/// chunked backward fails at f32, and a wrong gradient fails naming it.
+#[test]
+fn check_takes_gradient_candidates() {
+    let dir = scratch("check");
+    let dout = Array4::from_shape_fn((2, 21, 4, 3), |(b, t, h, p)| {
+        ((b * 7 + t * 3 + h * 5 + p) % 11) as f64 / 5.0 - 1.0
+    });
+    let dfin = Array4::from_shape_fn((2, 4, 3, 5), |(b, h, p, n)| {
+        ((b + h * 3 + p * 7 + n * 2) % 9) as f64 / 4.0 - 1.0
+    });
+    let (case, _) = case_with(&dir, &[("dout", dout), ("dfinal_states", dfin)]);
+    let cand = dir.join("grads.safetensors");
+    let run = |im: &str, pr: &str, check_at: &str| -> Output {
+        let o = oracle(&[
+            "grad",
+            "--case",
+            s(&case),
+            "--out",
+            s(&cand),
+            "--impl",
+            im,
+            "--precision",
+            pr,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        oracle(&[
+            "check",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&cand),
+            "--precision",
+            check_at,
+        ])
+    };
+    for (im, pr) in [
+        ("naive", "f32"),
+        ("chunked", "f32"),
+        ("chunked", "f64"),
+        ("chunked", "tf32"),
+    ] {
+        let o = run(im, pr, pr);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{im} {pr}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        let text = String::from_utf8_lossy(&o.stdout);
+        for name in [
+            "dx",
+            "ddt",
+            "dA",
+            "dB",
+            "dC",
+            "dD",
+            "dz",
+            "ddt_bias",
+            "dinitial_states",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{name} "))),
+                "{name} checked:\n{text}"
+            );
+        }
+    }
+    let o = run("chunked", "tf32", "f32");
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+
+    // One gradient wrong: refused, and the report names it.
+    let o = oracle(&[
+        "grad",
+        "--case",
+        s(&case),
+        "--out",
+        s(&cand),
+        "--precision",
+        "f32",
+    ]);
+    assert!(o.status.success());
+    let file = TensorFile::open(&cand).unwrap();
+    let mut w = TensorWriter::new();
+    for name in file.names() {
+        let mut a = file.read_float(&name).unwrap().data;
+        if name == "ddt_bias" {
+            // About 0.4 of the element's value, far over its f32 bound (about 2e-3 here:
+            // `ddt_bias` sums terms of both signs, so its bound scales with their magnitude).
+            a[[1]] += 0.05;
+        }
+        w.push(&name, &a, FloatDtype::F32);
+    }
+    w.write(&cand).unwrap();
+    let o = oracle(&["check", "--case", s(&case), "--candidate", s(&cand)]);
+    assert_eq!(o.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("FAIL ddt_bias"), "{text}");
+}
+
+/// Bad gradient candidates: one line naming the tensor, exit status 2.
+#[test]
+fn check_refuses_bad_gradient_candidates() {
+    let dir = scratch("check-refuses");
+    let cand = dir.join("cand.safetensors");
+    let write = |tensors: &[(&str, ndarray::ArrayD<f64>)]| {
+        let mut w = TensorWriter::new();
+        for (n, a) in tensors {
+            w.push(n, a, FloatDtype::F32);
+        }
+        w.write(&cand).unwrap();
+    };
+    let refused = |case: &Path, what: &[&str]| {
+        let o = oracle(&["check", "--case", s(case), "--candidate", s(&cand)]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert_eq!(e.lines().count(), 1, "{e}");
+        for w in what {
+            assert!(e.contains(w), "{w} in {e}");
+        }
+    };
+    let (case, _) = case_with(&dir, &[("dout", Array4::zeros((2, 21, 4, 3)))]);
+    // A gradient of the wrong shape.
+    write(&[("dx", ndarray::ArrayD::zeros(ndarray::IxDyn(&[2, 21, 4, 2])))]);
+    refused(&case, &["`dx`", "[2, 21, 4, 2]", "[2, 21, 4, 3]"]);
+    write(&[("dD", ndarray::ArrayD::zeros(ndarray::IxDyn(&[4])))]);
+    refused(&case, &["`dD`", "[4]"]);
+    // A gradient of an input the case does not have.
+    let plain = dir.join("plain");
+    fs::create_dir_all(&plain).unwrap();
+    let p = random_problem(&ProblemSpec::plain(Dims::new(1, 8, 2, 3, 1, 4)), 1).unwrap();
+    let plain_case = plain.join("case.json");
+    let c = Case {
+        meta: CaseMeta::default(),
+        problem: p,
+        expected: Expected::default(),
+    };
+    write_case(&plain_case, &c, FloatDtype::F64).unwrap();
+    write(&[("dz", ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 8, 2, 3])))]);
+    refused(&plain_case, &["`dz`", "`z`", "does not have"]);
+    // Gradients against a case without `dout`.
+    write(&[("dx", ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 8, 2, 3])))]);
+    refused(&plain_case, &["`dout` is missing"]);
+    // No `out` and no gradient.
+    write(&[(
+        "final_states",
+        ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 2, 3, 4])),
+    )]);
+    refused(&plain_case, &["`out` is missing"]);
+}

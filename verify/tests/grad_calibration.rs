@@ -18,7 +18,7 @@ use common::grad_faults::{self, GradFault, Rounding};
 use ndarray::Array4;
 use rayon::prelude::*;
 use ssd_reference::adjoint::{self, Gradients};
-use ssd_reference::Problem;
+use ssd_reference::{chunked_backward, MatmulPrecision, Problem};
 use ssd_verify::fixture::Dtype;
 use ssd_verify::fuzz::{cases, FuzzCase, DEFAULT_SEED};
 use ssd_verify::suites::upstream_gradients;
@@ -74,8 +74,46 @@ fn loops_f32(
     (widen(g), Dtype::F32)
 }
 
+/// The reference's chunked backward (`ssd_reference::chunked_backward`) in f32.
+fn chunked_f32(
+    p: &Problem<f64>,
+    dout: &Array4<f64>,
+    dfin: &Array4<f64>,
+    precision: MatmulPrecision,
+) -> (Gradients<f64>, Dtype) {
+    let p32: Problem<f32> = p.cast();
+    let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
+    let g = chunked_backward::backward(&p32, o.view(), Some(f.view()), precision)
+        .expect("shapes agree");
+    (widen(g.grads), Dtype::F32)
+}
+
 fn paths() -> Vec<Path> {
     vec![
+        Path {
+            label: "reference chunked f64, at f64",
+            precision: Precision::F64,
+            run: |p, o, f| {
+                let g = chunked_backward::backward(
+                    p,
+                    o.view(),
+                    Some(f.view()),
+                    MatmulPrecision::Native,
+                )
+                .expect("shapes agree");
+                (g.grads, Dtype::F64)
+            },
+        },
+        Path {
+            label: "reference chunked f32, at f32",
+            precision: Precision::F32,
+            run: |p, o, f| chunked_f32(p, o, f, MatmulPrecision::Native),
+        },
+        Path {
+            label: "reference chunked TF32, at tf32",
+            precision: Precision::Tf32,
+            run: |p, o, f| chunked_f32(p, o, f, MatmulPrecision::Tf32),
+        },
         Path {
             label: "adjoint recurrence f32, at f32",
             precision: Precision::F32,

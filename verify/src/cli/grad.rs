@@ -1,5 +1,6 @@
 //! `ssd-oracle grad`: the gradients of a case's forward, pulled back from the case's upstream
-//! gradients, by the adjoint recurrence.
+//! gradients, by the adjoint recurrence (the ground truth) or the chunked backward (stage by
+//! stage, as a kernel runs it).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,24 +8,36 @@ use std::time::Instant;
 
 use ndarray::{Array4, Ix4};
 use ssd_reference::adjoint::{self, Gradients};
-use ssd_reference::{Problem, Real};
+use ssd_reference::{chunked_backward, MatmulPrecision, Problem, Real};
 use ssd_verify::fixture::{self, FloatDtype, TensorFile, TensorWriter};
 use ssd_verify::VerifyError;
 
-/// The arithmetic of the adjoint.
+/// The arithmetic of the backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GradPrecision {
-    /// float64: the ground truth.
+    /// float64: with `--impl naive`, the ground truth.
     F64,
     /// float32 throughout (inputs and upstream gradients rounded to f32 first).
     F32,
+    /// float32 with every matrix-product operand rounded to TF32 (`--impl chunked` only):
+    /// what a correct TF32 tensor-core backward computes.
+    Tf32,
+}
+
+/// The algorithm of the backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradImpl {
+    /// The adjoint recurrence, token by token (the reverse mode of the naive recurrence).
+    Naive,
+    /// The chunked backward, stage by stage (`ssd_reference::chunked_backward`).
+    Chunked,
 }
 
 /// Compute the gradients of a case's forward with respect to every input it has, from the
 /// upstream gradients `dout` (required) and `dfinal_states` (optional) stored among the case's
 /// tensors, and write them (mamba_ssm's names: dx, ddt, dA, dB, dC, and dD, dz, ddt_bias,
 /// dinitial_states where the case has the input) to a safetensors file: F64 for --precision
-/// f64, F32 for f32.
+/// f64, F32 for f32 and tf32.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The case's manifest (ssd-fixture/1 JSON); its tensors must include `dout`.
@@ -34,6 +47,10 @@ pub struct Args {
     /// Where to write the gradients (replaced atomically; nothing is written on error).
     #[arg(long, value_name = "GRADS.safetensors")]
     pub out: PathBuf,
+
+    /// The algorithm.
+    #[arg(long = "impl", value_enum, default_value_t = GradImpl::Naive)]
+    pub implementation: GradImpl,
 
     /// The arithmetic.
     #[arg(long, value_enum, default_value_t = GradPrecision::F64)]
@@ -53,31 +70,61 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     let problem = &loaded.case.problem;
     let (dout, dfinal) = read_upstream(&loaded)?;
 
+    if args.precision == GradPrecision::Tf32 && args.implementation == GradImpl::Naive {
+        return Err(VerifyError::Usage(
+            "--precision tf32 needs --impl chunked (the recurrence has no matrix product)".into(),
+        ));
+    }
     let t0 = Instant::now();
     let mut w = TensorWriter::new();
+    let file = &loaded.tensors_path;
     let (dtype, names) = match args.precision {
         GradPrecision::F64 => {
-            let g = pull_back(problem, &dout, dfinal.as_ref(), &loaded.tensors_path)?;
+            let g = pull_back(
+                problem,
+                &dout,
+                dfinal.as_ref(),
+                args.implementation,
+                MatmulPrecision::Native,
+                file,
+            )?;
             (FloatDtype::F64, push_all(&mut w, &g, FloatDtype::F64))
         }
-        GradPrecision::F32 => {
+        GradPrecision::F32 | GradPrecision::Tf32 => {
             let p32: Problem<f32> = problem.cast();
             let cast = |a: &Array4<f64>| a.mapv(|v| v as f32);
             let dfinal32 = dfinal.as_ref().map(cast);
-            let g = pull_back(&p32, &cast(&dout), dfinal32.as_ref(), &loaded.tensors_path)?;
+            let mp = if args.precision == GradPrecision::Tf32 {
+                MatmulPrecision::Tf32
+            } else {
+                MatmulPrecision::Native
+            };
+            let g = pull_back(
+                &p32,
+                &cast(&dout),
+                dfinal32.as_ref(),
+                args.implementation,
+                mp,
+                file,
+            )?;
             (FloatDtype::F32, push_all(&mut w, &g, FloatDtype::F32))
         }
     };
     let took = t0.elapsed();
     w.write(&args.out)?;
     println!(
-        "wrote {} ({}) to {}: adjoint {} computed in {:.1} ms on {} threads",
+        "wrote {} ({}) to {}: {} {} computed in {:.1} ms on {} threads",
         names.join(", "),
         fixture::Dtype::from(dtype),
         args.out.display(),
+        match args.implementation {
+            GradImpl::Naive => "adjoint recurrence",
+            GradImpl::Chunked => "chunked backward",
+        },
         match args.precision {
             GradPrecision::F64 => "f64",
             GradPrecision::F32 => "f32",
+            GradPrecision::Tf32 => "tf32",
         },
         took.as_secs_f64() * 1e3,
         rayon::current_num_threads(),
@@ -123,18 +170,25 @@ pub(crate) fn read_upstream(
     Ok((dout, dfinal))
 }
 
-/// The adjoint, its shape errors reported against the case's tensor file.
+/// The backward pass, its shape errors reported against the case's tensor file.
 fn pull_back<T: Real>(
     p: &Problem<T>,
     dout: &Array4<T>,
     dfinal: Option<&Array4<T>>,
+    implementation: GradImpl,
+    precision: MatmulPrecision,
     file: &std::path::Path,
 ) -> Result<Gradients<T>, VerifyError> {
-    adjoint::backward(p, dout.view(), dfinal.map(|a| a.view())).map_err(|source| {
-        VerifyError::Problem {
-            path: file.to_path_buf(),
-            source,
+    let (dout, dfinal) = (dout.view(), dfinal.map(|a| a.view()));
+    match implementation {
+        GradImpl::Naive => adjoint::backward(p, dout, dfinal),
+        GradImpl::Chunked => {
+            chunked_backward::backward(p, dout, dfinal, precision).map(|c| c.grads)
         }
+    }
+    .map_err(|source| VerifyError::Problem {
+        path: file.to_path_buf(),
+        source,
     })
 }
 
