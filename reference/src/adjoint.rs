@@ -39,16 +39,24 @@
 //! forward took. `docs/math.md` derives every line.
 //!
 //! # Order of the sums
-//! Every sum is taken in a fixed order, whatever the number of threads: the per-token terms
-//! in decreasing `t`; over `p` and `n` as the loops below run them (4 interleaved partial
-//! sums, added in a fixed order); `dB`, `dC` of a group over its heads in increasing `h`;
-//! `dA`, `ddt_bias`, `dD` over rows in increasing `b` (each row's sum over its tokens first).
+//! Every sum is taken in a fixed order, whatever the number of threads or the instruction
+//! set: the per-token terms in decreasing `t`; `du_t[p]`, the rows of `da_t` and (with `z`)
+//! `(s_t C_t)[p]` over `n` in 4 interleaved partial sums (column `n` into sum `n mod 4`, in
+//! increasing `n`), added as `(s0 + s1) + (s2 + s3)`; `da_t` over its rows and `dC_t[n]`,
+//! `dB_t[n]` over `p`, in increasing `p`; `<du_t, x_t>` in 4 interleaved partial sums over
+//! `p`; `dB`, `dC` of a group over its heads in increasing `h`; `dA`, `ddt_bias`, `dD` over
+//! rows in increasing `b` (each row's sum over its tokens first).
 //!
-//! # Memory
-//! One (row, head) pair at a time per task: the forward states are recomputed backwards one
-//! block of [`BLOCK`] tokens at a time from checkpoints (the state before each block, kept by
-//! a first forward sweep), so a task holds `(seqlen / BLOCK + BLOCK) * headdim * dstate`
-//! values, not `seqlen * headdim * dstate`.
+//! # Schedule and memory
+//! One (row, head) pair at a time per task. A first forward sweep keeps the state before each
+//! block of [`BLOCK`] tokens (`seqlen / BLOCK * headdim * dstate` values per task, not
+//! `seqlen * headdim * dstate`); the backward sweep then takes the blocks in reverse. Both go
+//! through the state in register tiles of 4 rows (`p`) by 8 columns (`n`), as the naive
+//! forward does: within a block, each tile's forward states are recomputed from the block's
+//! checkpoint into a small buffer, then the tile of `S` is held in registers while the
+//! block's tokens are walked in reverse. `S` of one entry depends on no other entry, so the
+//! tiles are independent; what they share (`du`, `da`, `dC`, `dB`) is summed tile by tile in
+//! the orders above, which are those of a token-by-token sweep over whole rows.
 use ndarray::{
     Array1, Array3, Array4, ArrayD, ArrayView4, ArrayViewMut1, ArrayViewMut2, Axis, IxDyn,
 };
@@ -59,7 +67,7 @@ use crate::problem::{check_finite, check_shape, softplus};
 use crate::{Problem, Real, ReferenceError};
 
 /// Tokens per recomputed block of forward states.
-pub const BLOCK: usize = 16;
+pub const BLOCK: usize = 32;
 
 /// The gradients of every differentiable input of a forward problem, in mamba_ssm's names and
 /// the shapes of the inputs they belong to. The optional ones are present exactly when the
@@ -215,7 +223,7 @@ pub fn backward<T: Real>(
 
     // Units in b-major, h-minor order, computed in waves of independent tasks, each with its
     // scratch; what they share is added in unit order: the bits do not depend on the wave size.
-    let wave = (2 * rayon::current_num_threads()).clamp(1, bt * nh);
+    let wave = (2 * rayon::current_num_threads()).min(bt * nh).max(1);
     let mut scratch: Vec<Scratch<T>> = (0..wave).map(|_| Scratch::default()).collect();
     for u0 in (0..bt * nh).step_by(wave) {
         let part: Vec<Dest<T>> = (u0..(u0 + wave).min(bt * nh))
@@ -685,23 +693,30 @@ fn back_tile<T: Real, const R: usize, const P: usize, const Z: bool>(
         }
     }
     let mut sb = load_tile::<T, R, P>(sbar, ds, p0, n0);
-    for k in (0..nt).rev() {
-        let a = blk.decay[k];
-        let s_prev = &hist[k * R..(k + 1) * R];
-        let s_t = &hist[(k + 1) * R..(k + 2) * R];
-        let c: &[T; P] = cs[k * P..(k + 1) * P].try_into().expect("P values");
-        let b: &[T; P] = bs[k * P..(k + 1) * P].try_into().expect("P values");
-        let y: &[T; R] = ys[k * R..(k + 1) * R].try_into().expect("R values");
-        let u: &[T; R] = us[k * R..(k + 1) * R].try_into().expect("R values");
-        let dc: &mut [T; P] = (&mut cols_mut::<T, P>(sums.dc, nt, n0)[k * P..(k + 1) * P])
-            .try_into()
-            .expect("P values");
-        let mut dcv = *dc;
-        let db: &mut [T; P] = (&mut cols_mut::<T, P>(sums.db, nt, n0)[k * P..(k + 1) * P])
-            .try_into()
-            .expect("P values");
-        let mut dbv = *db;
-        let (du, da) = (&mut sums.du[k], &mut sums.da[k]);
+    // Token by token in reverse: zipped slices, so that no index needs a bounds check.
+    let (dcs, dbs) = (
+        &mut sums.dc[n0 * nt..(n0 + P) * nt],
+        &mut sums.db[n0 * nt..(n0 + P) * nt],
+    );
+    let (hp, ht) = (&hist[..nt * R], &hist[R..]);
+    let per_token = blk
+        .decay
+        .iter()
+        .zip(hp.chunks_exact(R).zip(ht.chunks_exact(R)))
+        .zip(cs.chunks_exact(P).zip(bs.chunks_exact(P)))
+        .zip(ys.chunks_exact(R).zip(us.chunks_exact(R)))
+        .zip(dcs.chunks_exact_mut(P).zip(dbs.chunks_exact_mut(P)))
+        .zip(sums.du.iter_mut().zip(sums.da.iter_mut()))
+        .enumerate()
+        .rev();
+    for (k, (((((&a, (s_prev, s_t)), (c, b)), (y, u)), (dc, db)), (du, da))) in per_token {
+        let c: &[T; P] = c.try_into().expect("P values");
+        let b: &[T; P] = b.try_into().expect("P values");
+        let y: &[T; R] = y.try_into().expect("R values");
+        let u: &[T; R] = u.try_into().expect("R values");
+        let dc: &mut [T; P] = dc.try_into().expect("P values");
+        let db: &mut [T; P] = db.try_into().expect("P values");
+        let (mut dcv, mut dbv) = (*dc, *db);
         for r in 0..R {
             let (yr, ur) = (y[r], u[r]);
             let (mut dur, mut dar) = (du[r], da[r]);
@@ -717,11 +732,8 @@ fn back_tile<T: Real, const R: usize, const P: usize, const Z: bool>(
             du[r] = dur;
             da[r] = dar;
         }
-        *db = dbv;
-        let dc: &mut [T; P] = (&mut cols_mut::<T, P>(sums.dc, nt, n0)[k * P..(k + 1) * P])
-            .try_into()
-            .expect("P values");
         *dc = dcv;
+        *db = dbv;
         if Z {
             let yk = &mut sums.y[k];
             for r in 0..R {
@@ -735,12 +747,6 @@ fn back_tile<T: Real, const R: usize, const P: usize, const Z: bool>(
         }
     }
     store_tile(sbar, ds, p0, n0, &sb);
-}
-
-/// [`cols_of`], mutable.
-#[inline(always)]
-fn cols_mut<T, const P: usize>(v: &mut [T], nt: usize, n0: usize) -> &mut [T] {
-    &mut v[n0 * nt..(n0 + P) * nt]
 }
 
 /// Writes `f(src[p])` for token `k` into `dst`, laid out by row blocks ([`Blk`]).
@@ -934,8 +940,8 @@ fn unit_body<T: Real>(
     }
 }
 
-/// Copies one block's per-token values into the scratch (`u`, `ybar`, `B`, `C`), and asks for
-/// the rows of the block `next` (if any) into L2.
+/// Copies one block's per-token values into the scratch (`u`, `B`, and for the backward sweep
+/// (`back`) `ybar`, `C`), and asks for the rows of the block `next` (if any) into L2.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn stage<T: Real>(
@@ -947,6 +953,7 @@ fn stage<T: Real>(
     t0: usize,
     nt: usize,
     next: Option<usize>,
+    back: bool,
     sc: &mut Scratch<T>,
 ) {
     let d = *p.dims();
@@ -958,17 +965,27 @@ fn stage<T: Real>(
         let nn = BLOCK.min(l - n0);
         let (xs, bcs) = (d.nheads * hd, d.ngroups * ds);
         prefetch::rows(f.bm, bc_at(n0), bcs, nn, ds);
-        prefetch::rows(f.cm, bc_at(n0), bcs, nn, ds);
         prefetch::rows(f.x, x_at(n0), xs, nn, hd);
-        prefetch::rows(f.dout, x_at(n0), xs, nn, hd);
-        if let Some(z) = f.z {
-            prefetch::rows(z, x_at(n0), xs, nn, hd);
+        if back {
+            prefetch::rows(f.cm, bc_at(n0), bcs, nn, ds);
+            prefetch::rows(f.dout, x_at(n0), xs, nn, hd);
+            if let Some(z) = f.z {
+                prefetch::rows(z, x_at(n0), xs, nn, hd);
+            }
         }
     }
     for k in 0..nt {
         let t = t0 + k;
         let xo = x_at(t);
         let x = &f.x[xo..xo + hd];
+        let dt = dtp[t];
+        put_by_rows(&mut sc.u, nt, k, x, |v| dt * v);
+        let bc = bc_at(t);
+        put_by_cols(&mut sc.bb, nt, k, &f.bm[bc..bc + ds]);
+        if !back {
+            continue;
+        }
+        put_by_cols(&mut sc.cc, nt, k, &f.cm[bc..bc + ds]);
         let yb = &mut sc.ybn[k * hd..(k + 1) * hd];
         let go = &f.dout[xo..xo + hd];
         match f.z {
@@ -979,12 +996,7 @@ fn stage<T: Real>(
             }
             None => yb.copy_from_slice(go),
         }
-        let dt = dtp[t];
-        put_by_rows(&mut sc.u, nt, k, x, |v| dt * v);
         put_by_rows(&mut sc.ybar, nt, k, &sc.ybn[k * hd..(k + 1) * hd], |v| v);
-        let bc = bc_at(t);
-        put_by_cols(&mut sc.bb, nt, k, &f.bm[bc..bc + ds]);
-        put_by_cols(&mut sc.cc, nt, k, &f.cm[bc..bc + ds]);
     }
 }
 
@@ -1042,7 +1054,7 @@ fn unit_z<T: Real, const Z: bool>(
     for blk in 0..nblocks - 1 {
         let t0 = blk * BLOCK;
         let next = (blk + 2 < nblocks).then_some(t0 + BLOCK);
-        stage(p, f, b, h, &st.dtp, t0, BLOCK, next, sc);
+        stage(p, f, b, h, &st.dtp, t0, BLOCK, next, false, sc);
         let (done, rest) = sc.ckpt.split_at_mut((blk + 1) * sz);
         let bk = Blk {
             nt: BLOCK,
@@ -1078,7 +1090,16 @@ fn unit_z<T: Real, const Z: bool>(
         let t0 = blk * BLOCK;
         let nt = BLOCK.min(l - t0);
         let next = blk.checked_sub(1).map(|pb| pb * BLOCK);
-        stage(p, f, b, h, &st.dtp, t0, nt, next, sc);
+        stage(p, f, b, h, &st.dtp, t0, nt, next, true, sc);
+        // The rows of the outputs the next block writes, into L2 (each on another page).
+        if let Some(n0) = next {
+            for t in n0..n0 + BLOCK {
+                prefetch::span(dest.dx.row(t).as_ptr(), hd);
+                for v in [&dest.dz, &dest.db, &dest.dc].into_iter().flatten() {
+                    prefetch::span(v.row(t).as_ptr(), v.ncols());
+                }
+            }
+        }
         sc.dcb[..nt * ds].fill(T::zero());
         sc.dbb[..nt * ds].fill(T::zero());
         let bk = Blk {
