@@ -39,13 +39,22 @@ fn widen(g: Gradients<f32>) -> Gradients<f64> {
     }
 }
 
-/// The verdicts of the pass with `fault` on `p` under each claim.
-fn verdicts(p: &Problem<f64>, seed: u64, fault: GradFault) -> Vec<Verdict> {
+/// The oracle of `p` and its upstream gradients (of one sign when `p`'s inputs are).
+fn oracle(p: &Problem<f64>, seed: u64) -> (Oracle, Array4<f64>, Array4<f64>) {
     let (mut dout, dfin) = upstream_gradients(p.dims(), seed);
     if one_sign(p) {
         dout.mapv_inplace(f64::abs);
     }
     let oracle = Oracle::for_gradients(p, dout.view(), Some(dfin.view())).unwrap();
+    (oracle, dout, dfin)
+}
+
+/// The verdicts of the pass with `fault` on `p` under each claim.
+fn verdicts(
+    p: &Problem<f64>,
+    (oracle, dout, dfin): &(Oracle, Array4<f64>, Array4<f64>),
+    fault: GradFault,
+) -> Vec<Verdict> {
     let p32: Problem<f32> = p.cast();
     let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
     CLAIMS
@@ -101,7 +110,7 @@ fn exercising(fault: GradFault) -> Problem<f64> {
 #[test]
 fn every_fault_is_refused_on_a_case_that_exercises_it() {
     let p = exercising(GradFault::None);
-    for v in verdicts(&p, 5, GradFault::None) {
+    for v in verdicts(&p, &oracle(&p, 5), GradFault::None) {
         assert!(
             v.passed(),
             "the correct pass, at {}: {:?}",
@@ -113,7 +122,7 @@ fn every_fault_is_refused_on_a_case_that_exercises_it() {
         .par_iter()
         .map(|&fault| {
             let p = exercising(fault);
-            let v = verdicts(&p, 5, fault);
+            let v = verdicts(&p, &oracle(&p, 5), fault);
             let worst = v
                 .iter()
                 .map(|v| {
@@ -160,9 +169,10 @@ fn every_fault_is_caught_by_the_fuzz_suite() {
         .par_iter()
         .map(|case| {
             let p = case.problem();
+            let o = oracle(&p, case.seed);
             all.iter()
                 .map(|&f| {
-                    verdicts(&p, case.seed, f)
+                    verdicts(&p, &o, f)
                         .iter()
                         .map(|v| {
                             if f == GradFault::None && !v.passed() {
