@@ -45,6 +45,7 @@ mod prefetch;
 pub mod problem;
 pub mod random;
 mod scratch;
+pub mod serving;
 pub mod simd;
 pub mod tf32;
 mod transpose;
