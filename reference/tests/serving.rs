@@ -53,6 +53,7 @@ fn random_case(seed: u64) -> (Problem<f64>, Packing<f64>) {
     (p, packing)
 }
 
+#[allow(clippy::needless_range_loop)] // the equations' indices
 /// The recurrence written out in scalar loops: `(out, varlen_states, position_states)`.
 fn scalar(p: &Problem<f64>, k: &Packing<f64>) -> (Array4<f64>, Array4<f64>, Array4<f64>) {
     let d = *p.dims();
@@ -109,7 +110,10 @@ fn scalar(p: &Problem<f64>, k: &Packing<f64>) -> (Array4<f64>, Array4<f64>, Arra
 
 fn max_rel(a: &Array4<f64>, b: &Array4<f64>) -> f64 {
     let scale = b.iter().fold(1e-300_f64, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0.0_f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    a.iter()
+        .zip(b)
+        .fold(0.0_f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
 }
 
 #[test]
@@ -162,8 +166,8 @@ fn per_sequence_states_and_positions_match_a_scalar_loop() {
             max_rel(&o.position_states, &at) < 1e-12,
             "seed {seed} positions"
         );
-        for mp in [MatmulPrecision::Native] {
-            let c = forward(&p, &k, Algorithm::Chunked(mp)).unwrap();
+        {
+            let c = forward(&p, &k, Algorithm::Chunked(MatmulPrecision::Native)).unwrap();
             assert!(max_rel(&c.out, &out) < 1e-11, "seed {seed} chunked out");
             assert!(
                 max_rel(&c.varlen_states, &varlen) < 1e-11,
