@@ -29,6 +29,7 @@
 //!   recurrence (the reference) rounds once per step.
 //!
 //! All quantities are computed in f64 from the (exact) inputs of the problem.
+use crate::serving::Packing;
 use crate::Problem;
 use ndarray::{Array4, Array5, ArrayD};
 use rayon::prelude::*;
@@ -60,6 +61,10 @@ pub struct Magnitudes {
     pub dA_cumsum: Channels,
     /// `[batch, nchunks, nheads, headdim, dstate]`
     pub chunk_states: Channels,
+    /// `[nseq, nheads, headdim, dstate]`, for a packed problem ([`magnitudes_packed`]).
+    pub varlen_states: Option<Channels>,
+    /// `[k, nheads, headdim, dstate]`, for a packed problem's listed positions.
+    pub position_states: Option<Channels>,
     /// `F`: an upper bound on the sum, over the terms of any element, of the product of the
     /// term's factors other than the decay; the floor is `eta * F` (`ssd_verify::tolerance`).
     pub floor_scale: f64,
@@ -76,6 +81,10 @@ pub enum OutputKind {
     DACumsum,
     /// `chunk_states`
     ChunkStates,
+    /// `varlen_states` (packed problems)
+    VarlenStates,
+    /// `position_states` (packed problems)
+    PositionStates,
 }
 
 impl Magnitudes {
@@ -86,6 +95,14 @@ impl Magnitudes {
             OutputKind::FinalStates => &self.final_states,
             OutputKind::DACumsum => &self.dA_cumsum,
             OutputKind::ChunkStates => &self.chunk_states,
+            OutputKind::VarlenStates => self
+                .varlen_states
+                .as_ref()
+                .expect("magnitudes of a packed problem"),
+            OutputKind::PositionStates => self
+                .position_states
+                .as_ref()
+                .expect("magnitudes of a packed problem"),
         }
     }
 }
@@ -147,6 +164,10 @@ struct Lane<'a> {
     chunks: Vec<&'a mut [f64]>,
     /// `[nchunks * chunk_size]`: magnitude and `acc` of `dA_cumsum`
     cumsum: Vec<&'a mut [f64]>,
+    /// `[nseq * headdim * dstate]` and `[k * headdim * dstate]` per channel (packed problems;
+    /// empty otherwise).
+    varlen: Vec<&'a mut [f64]>,
+    positions: Vec<&'a mut [f64]>,
 }
 
 impl Lane<'_> {
@@ -162,6 +183,15 @@ impl Lane<'_> {
             op[at + j] = 2.0 * v;
         }
         k[at..at + n].copy_from_slice(sk);
+    }
+}
+
+/// [`split_lanes`], or `lanes` empty lists when `per` is 0 (no such tensor).
+fn split_or_empty(bufs: &mut [Vec<f64>], per: usize, lanes: usize) -> Vec<Vec<&mut [f64]>> {
+    if per == 0 {
+        (0..lanes).map(|_| Vec::new()).collect()
+    } else {
+        split_lanes(bufs, per)
     }
 }
 
@@ -187,6 +217,22 @@ fn split_lanes(bufs: &mut [Vec<f64>], per: usize) -> Vec<Vec<&mut [f64]>> {
 /// Cost: about three times the naive recurrence (three state channels), parallel over
 /// (batch, head).
 pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
+    magnitudes_with(p, None)
+}
+
+/// [`magnitudes`] of a packed problem: the state restarts at every sequence start from the
+/// sequence's own initial state ([`crate::serving`]), with the channels of `varlen_states`
+/// and `position_states` (each taken after its token, plus one state pass). `p` must carry
+/// the `seq_idx` the packing implies ([`Packing::with_seq_idx`]) and the packing must be
+/// valid for it ([`Packing::validate`]).
+///
+/// With per-sequence initial states, `chunk_states[:, 0]` is the state before token 0 (the
+/// first sequence's initial state).
+pub fn magnitudes_packed(p: &Problem<f64>, packing: &Packing<f64>) -> Magnitudes {
+    magnitudes_with(p, Some(packing))
+}
+
+fn magnitudes_with(p: &Problem<f64>, packing: Option<&Packing<f64>>) -> Magnitudes {
     let d = *p.dims();
     let nc = p.nchunks();
     let l = p.options().chunk_size;
@@ -196,22 +242,30 @@ pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
     let buffers = |per: usize, k: usize| -> Vec<Vec<f64>> { vec![vec![0.0; lanes_n * per]; k] };
     let (mut out_b, mut fin_b) = (buffers(t_len * hd, 5), buffers(nstate, 5));
     let (mut chunk_b, mut cs_b) = (buffers(nc * nstate, 5), buffers(nc * l, 2));
+    let (nseq, npos) = packing.map_or((0, 0), |k| (k.nseq(), k.state_positions.len()));
+    let (mut var_b, mut pos_b) = (buffers(nseq * nstate, 5), buffers(npos * nstate, 5));
     let lanes: Vec<Lane> = split_lanes(&mut out_b, t_len * hd)
         .into_iter()
         .zip(split_lanes(&mut fin_b, nstate))
         .zip(split_lanes(&mut chunk_b, nc * nstate))
         .zip(split_lanes(&mut cs_b, nc * l))
-        .map(|(((out, fin), chunks), cumsum)| Lane {
-            out,
-            fin,
-            chunks,
-            cumsum,
-        })
+        .zip(split_or_empty(&mut var_b, nseq * nstate, lanes_n))
+        .zip(split_or_empty(&mut pos_b, npos * nstate, lanes_n))
+        .map(
+            |(((((out, fin), chunks), cumsum), varlen), positions)| Lane {
+                out,
+                fin,
+                chunks,
+                cumsum,
+                varlen,
+                positions,
+            },
+        )
         .collect();
     lanes
         .into_par_iter()
         .enumerate()
-        .for_each(|(bh, mut ln)| lane(p, bh / nh, bh % nh, &mut ln));
+        .for_each(|(bh, mut ln)| lane(p, packing, bh / nh, bh % nh, &mut ln));
 
     // Lane-major [batch, nheads, ...] into the contract's layouts.
     let out: Vec<ArrayD<f64>> = out_b
@@ -270,22 +324,51 @@ pub fn magnitudes(p: &Problem<f64>) -> Magnitudes {
             op: zeros.clone(),
             tok: zeros,
         },
+        varlen_states: packing.map(|_| states_channels(var_b, nseq, nh, hd, ds)),
+        position_states: packing.map(|_| states_channels(pos_b, npos, nh, hd, ds)),
         floor_scale: floor_scale(p),
+    }
+}
+
+/// Lane-major `[nheads, k, headdim, dstate]` buffers (batch 1) into `[k, nheads, headdim,
+/// dstate]` channels.
+fn states_channels(bufs: Vec<Vec<f64>>, k: usize, nh: usize, hd: usize, ds: usize) -> Channels {
+    let mut v = bufs.into_iter().map(|b| {
+        Array4::from_shape_vec((nh, k, hd, ds), b)
+            .expect("lane-major size")
+            .permuted_axes([1, 0, 2, 3])
+            .as_standard_layout()
+            .into_owned()
+            .into_dyn()
+    });
+    let mut next = || v.next().expect("five channels");
+    Channels {
+        mag: next(),
+        acc: next(),
+        io: next(),
+        op: next(),
+        tok: next(),
     }
 }
 
 crate::simd::multiversion! {
     /// [`lane_body`], compiled for AVX2 + FMA where the processor has them (wider vectors;
     /// no fused operation: the same bits).
-    fn lane[](p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
-        lane_body(p, b, h, lane)
+    fn lane[](p: &Problem<f64>, packing: Option<&Packing<f64>>, b: usize, h: usize, lane: &mut Lane<'_>) {
+        lane_body(p, packing, b, h, lane)
     }
 }
 
 /// The budget recurrence of one (batch, head) lane. See the module documentation and
 /// `docs/tolerances.md` for every coefficient.
 #[inline(always)]
-fn lane_body(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
+fn lane_body(
+    p: &Problem<f64>,
+    packing: Option<&Packing<f64>>,
+    b: usize,
+    h: usize,
+    lane: &mut Lane<'_>,
+) {
     let d = *p.dims();
     let i = p.inputs();
     let (hd, ds) = (d.headdim, d.dstate);
@@ -312,6 +395,29 @@ fn lane_body(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
             }
         }
     }
+    // A packed problem's per-sequence initial state, `|init|` (`None` for zero).
+    let seq_init = |q: usize| -> Option<Vec<f64>> {
+        let k = packing?;
+        let s0 = k.seq_initial_states.as_ref()?;
+        if !k.seq_has_initial_state.as_ref().is_none_or(|m| m[q]) {
+            return None;
+        }
+        Some(
+            (0..nstate)
+                .map(|e| s0[[q, h, e / ds, e % ds]].abs())
+                .collect(),
+        )
+    };
+    let seed = |sm: &mut [f64], se: &mut [f64], q: usize| {
+        if let Some(v) = seq_init(q) {
+            sm.copy_from_slice(&v);
+            se.copy_from_slice(&v); // conversion of the state
+        }
+    };
+    let per_seq_init = packing.is_some_and(|k| k.seq_initial_states.is_some());
+    if per_seq_init {
+        seed(&mut sm, &mut se, p.seq_idx_at(b, 0) as usize);
+    }
 
     let c_abs: Vec<f64> = (0..d.seqlen * ds)
         .map(|k| i.C[[b, k / ds, g, k % ds]].abs())
@@ -330,7 +436,10 @@ fn lane_body(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
                 se[k] += CROSSING * sm[k];
             }
             let at = c * nstate;
-            if c == 0 {
+            if c == 0 && per_seq_init {
+                // The state before token 0: the first sequence's initial state.
+                Lane::record(&mut lane.chunks, 0, &sm, &se, &sk);
+            } else if c == 0 {
                 // chunk_states[:, 0] is initial_states, whatever seq_idx says.
                 for pp in 0..hd {
                     for n in 0..ds {
@@ -353,6 +462,9 @@ fn lane_body(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
             se.iter_mut().for_each(|v| *v = 0.0);
             sk.iter_mut().for_each(|v| *v = 0.0);
             scur.iter_mut().for_each(|v| *v = 0.0);
+            if per_seq_init {
+                seed(&mut sm, &mut se, seq as usize);
+            }
         }
         prev_seq = seq;
         let pos = (t % l) as f64;
@@ -428,6 +540,43 @@ fn lane_body(p: &Problem<f64>, b: usize, h: usize, lane: &mut Lane<'_>) {
             };
             for (ch, w) in lane.out.iter_mut().zip(v) {
                 ch[t * hd + pp] = w;
+            }
+        }
+
+        // A packed problem's states after this token: the last of a sequence, a listed
+        // position. A kernel passes them out of the chunk like a chunk state (one crossing).
+        if let Some(k) = packing {
+            let q = seq as usize;
+            let is_end = k.cu_seqlens[q + 1] == t + 1;
+            let wanted = k.state_positions.iter().any(|&pos| pos == t);
+            if is_end || wanted {
+                let out_e: Vec<f64> = se.iter().zip(&sm).map(|(e, m)| e + CROSSING * m).collect();
+                if is_end {
+                    Lane::record(&mut lane.varlen, q * nstate, &sm, &out_e, &sk);
+                }
+                for (j, _) in k
+                    .state_positions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &pos)| pos == t)
+                {
+                    Lane::record(&mut lane.positions, j * nstate, &sm, &out_e, &sk);
+                }
+            }
+        }
+    }
+    // Zero-length sequences keep their initial state.
+    if let Some(k) = packing {
+        for q in 0..k.nseq() {
+            if k.cu_seqlens[q] == k.cu_seqlens[q + 1] {
+                let v = seq_init(q).unwrap_or_else(|| {
+                    let mamba_init = (q == 0).then_some(init).flatten();
+                    (0..nstate)
+                        .map(|e| mamba_init.map_or(0.0, |s0| s0[[b, h, e / ds, e % ds]].abs()))
+                        .collect()
+                });
+                let zeros = vec![0.0; nstate];
+                Lane::record(&mut lane.varlen, q * nstate, &v, &v, &zeros);
             }
         }
     }

@@ -335,7 +335,10 @@ pub fn diagnose(
     for (name, t, dtype) in present {
         // The maps and hints are the forward's stages; a failing gradient is reported by its
         // worst element.
-        if name.is_gradient() || verdict.tensor(*name).is_none_or(|r| r.passed()) {
+        if name.is_gradient()
+            || name.is_packed()
+            || verdict.tensor(*name).is_none_or(|r| r.passed())
+        {
             continue;
         }
         let r = oracle.ratios(*name, t, *dtype, precision)?;

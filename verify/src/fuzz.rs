@@ -398,3 +398,166 @@ mod tests {
         assert_eq!(small.spec.seq_idx, SeqIdx::None);
     }
 }
+
+/// A generated packed (serving) case ([`ssd_reference::serving`]): the problem's spec (batch
+/// 1, no `seq_idx`), the sequence lengths, and how its states are given and wanted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedCase {
+    pub spec: ProblemSpec,
+    pub seed: u64,
+    /// Tokens per sequence (zero-length ones included); their sum is `spec.dims.seqlen`.
+    pub lens: Vec<usize>,
+    /// One initial state per sequence (`seq_initial_states`), else mamba_ssm's convention
+    /// (`spec.initial_states`) or none.
+    pub per_sequence_states: bool,
+    /// `seq_has_initial_state` given (some sequences start from zero).
+    pub mask: bool,
+    /// The per-sequence states are values of an f16 state cache (rounded to f16).
+    pub f16_cache: bool,
+    /// How many state positions, or `None` for every token (decode with per-token states).
+    pub positions: Option<usize>,
+}
+
+impl PackedCase {
+    /// The problem and its packing (valid by construction).
+    ///
+    /// # Panics
+    /// Never for a case from [`packed_cases`].
+    pub fn build(&self) -> (Problem<f64>, ssd_reference::serving::Packing<f64>) {
+        let p = random_problem(&self.spec, self.seed)
+            .unwrap_or_else(|e| panic!("packed case is not a valid problem ({self}): {e}"));
+        let d = *p.dims();
+        let mut cu = vec![0usize];
+        for &l in &self.lens {
+            cu.push(cu.last().expect("one") + l);
+        }
+        let mut k = ssd_reference::serving::Packing::new(cu);
+        let mut rng = SpecRng::new(self.seed ^ 0x5e55_1045);
+        let nseq = self.lens.len();
+        if self.per_sequence_states {
+            let round = |v: f64| {
+                if self.f16_cache {
+                    half::f16::from_f64(v).to_f64()
+                } else {
+                    v
+                }
+            };
+            k.seq_initial_states = Some(ndarray::Array4::from_shape_fn(
+                (nseq, d.nheads, d.headdim, d.dstate),
+                |_| round(2.0 * rng.unit() - 1.0),
+            ));
+            if self.mask {
+                k.seq_has_initial_state = Some((0..nseq).map(|_| rng.chance(0.6)).collect());
+            }
+        }
+        k.state_positions = match self.positions {
+            None => (0..d.seqlen).collect(),
+            Some(n) => (0..n).map(|_| rng.range(0, d.seqlen - 1)).collect(),
+        };
+        (p, k)
+    }
+}
+
+impl fmt::Display for PackedCase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.spec.dims;
+        write!(
+            f,
+            "packed seed {} lens {:?} (h {}, p {}, g {}, n {}) chunk {} per-sequence states {} mask {} f16 cache {} positions {:?} mamba init {} softplus {} dt_limit {:?} D {:?} z {} dt_bias {} A in -{:?}",
+            self.seed,
+            self.lens,
+            d.nheads,
+            d.headdim,
+            d.ngroups,
+            d.dstate,
+            self.spec.options.chunk_size,
+            self.per_sequence_states,
+            self.mask,
+            self.f16_cache,
+            self.positions,
+            self.spec.initial_states,
+            self.spec.options.dt_softplus,
+            self.spec.options.dt_limit,
+            self.spec.d,
+            self.spec.z,
+            self.spec.dt_bias,
+            self.spec.a_range,
+        )
+    }
+}
+
+/// `n` packed cases drawn from the stream `seed`, each of naive cost at most `cap`: every
+/// option of [`random_spec`], then the packing: prefill-like (1-8 sequences of 0-300 tokens,
+/// zero-length ones and ones shorter than a chunk included, boundaries on and off the chunk
+/// grid) or decode-like (1-48 sequences of 1-4 tokens each, per-token states wanted half the
+/// time); per-sequence initial states (a third of them from an f16 cache, some masked) in
+/// most cases, mamba_ssm's convention or none in the rest; 0-6 state positions.
+pub fn packed_cases(n: usize, seed: u64, cap: usize) -> Vec<PackedCase> {
+    let mut rng = SpecRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let mut spec = random_spec(&mut rng, cap);
+            let decode = rng.chance(0.35);
+            let per_token = spec.dims.nheads * spec.dims.headdim * spec.dims.dstate;
+            let max_tokens = (cap / per_token).max(1);
+            let mut lens: Vec<usize> = if decode {
+                let t = rng.range(1, 4);
+                vec![t; rng.range(1, 48)]
+            } else {
+                let l = spec.options.chunk_size;
+                (0..rng.range(1, 8))
+                    .map(|_| match rng.range(0, 4) {
+                        0 => 0,
+                        1 => rng.range(1, l.min(300)),
+                        2 => l * rng.range(1, 3).min(300 / l.max(1)).max(1),
+                        _ => rng.range(1, 300),
+                    })
+                    .collect()
+            };
+            // Within the cost cap, and at least one token.
+            while lens.iter().sum::<usize>() > max_tokens {
+                if decode && lens.len() > 1 {
+                    lens.truncate(lens.len() / 2);
+                } else {
+                    let k = lens
+                        .iter()
+                        .enumerate()
+                        .max_by_key(|(_, &l)| l)
+                        .expect("one")
+                        .0;
+                    lens[k] /= 2;
+                }
+            }
+            if lens.iter().sum::<usize>() == 0 {
+                lens[0] = 1;
+            }
+            spec.dims = Dims::new(
+                1,
+                lens.iter().sum(),
+                spec.dims.nheads,
+                spec.dims.headdim,
+                spec.dims.ngroups,
+                spec.dims.dstate,
+            );
+            spec.seq_idx = SeqIdx::None;
+            let per_sequence_states = rng.chance(0.7);
+            spec.initial_states = !per_sequence_states && rng.chance(0.5);
+            let mask = per_sequence_states && rng.chance(0.4);
+            let f16_cache = per_sequence_states && rng.chance(0.33);
+            let positions = if decode && rng.chance(0.5) {
+                None
+            } else {
+                Some(rng.range(0, 6))
+            };
+            PackedCase {
+                spec,
+                seed: rng.next_u64(),
+                lens,
+                per_sequence_states,
+                mask,
+                f16_cache,
+                positions,
+            }
+        })
+        .collect()
+}

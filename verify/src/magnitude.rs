@@ -15,6 +15,8 @@ impl From<OutputName> for OutputKind {
             OutputName::FinalStates => OutputKind::FinalStates,
             OutputName::DACumsum => OutputKind::DACumsum,
             OutputName::ChunkStates => OutputKind::ChunkStates,
+            OutputName::VarlenStates => OutputKind::VarlenStates,
+            OutputName::PositionStates => OutputKind::PositionStates,
             g => panic!("`{g}` is a gradient: its magnitudes are `GradMagnitudes`"),
         }
     }

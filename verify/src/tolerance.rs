@@ -25,6 +25,8 @@ use ndarray::{ArrayD, ArrayView4};
 use serde::Serialize;
 use ssd_reference::adjoint::{self, Gradients};
 use ssd_reference::adjoint_magnitude::{gradient_magnitudes, GradMagnitudes};
+use ssd_reference::magnitude::magnitudes_packed;
+use ssd_reference::serving::{self, implied_seq_idx, Algorithm, Packing};
 use ssd_reference::{chunked, naive, ChunkedOutput, MatmulPrecision, Output, Problem, Real};
 
 use crate::error::VerifyError;
@@ -181,6 +183,12 @@ pub enum OutputName {
     /// `[batch, nheads, headdim, dstate]`.
     #[serde(rename = "dinitial_states")]
     DinitialStates,
+    /// A packed case's state after each sequence: `[nseq, nheads, headdim, dstate]`.
+    #[serde(rename = "varlen_states")]
+    VarlenStates,
+    /// A packed case's state after each listed token: `[k, nheads, headdim, dstate]`.
+    #[serde(rename = "position_states")]
+    PositionStates,
 }
 
 impl OutputName {
@@ -221,20 +229,31 @@ impl OutputName {
             OutputName::Dz => "dz",
             OutputName::DdtBias => "ddt_bias",
             OutputName::DinitialStates => "dinitial_states",
+            OutputName::VarlenStates => "varlen_states",
+            OutputName::PositionStates => "position_states",
         }
     }
+
+    /// The outputs of a packed case ([`ssd_reference::serving`]).
+    pub const PACKED: [OutputName; 2] = [OutputName::VarlenStates, OutputName::PositionStates];
 
     /// The output or gradient of this name.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
+            .chain(Self::PACKED)
             .chain(Self::GRADIENTS)
             .find(|o| o.name() == name)
     }
 
     /// A gradient of the backward pass (not an output of the forward).
     pub fn is_gradient(self) -> bool {
-        self as usize >= Self::ALL.len()
+        Self::GRADIENTS.contains(&self)
+    }
+
+    /// An output only a packed case has.
+    pub fn is_packed(self) -> bool {
+        Self::PACKED.contains(&self)
     }
 
     /// The input this gradient belongs to (`x` for `dx`, ...); `None` for a forward output.
@@ -255,6 +274,8 @@ impl OutputName {
             OutputName::DB | OutputName::DC => &["batch", "token", "group", "state"],
             OutputName::DD => &["head", "channel"],
             OutputName::DinitialStates => &["batch", "head", "channel", "state"],
+            OutputName::VarlenStates => &["sequence", "head", "channel", "state"],
+            OutputName::PositionStates => &["position", "head", "channel", "state"],
         }
     }
 
@@ -508,6 +529,9 @@ struct GradPart {
 #[derive(Debug, Clone)]
 pub struct Oracle {
     forward: Option<([ArrayD<f64>; 4], Magnitudes)>,
+    /// A packed case's `varlen_states` and `position_states` (the magnitudes are in
+    /// `forward`'s).
+    packed: Option<[ArrayD<f64>; 2]>,
     gradients: Option<GradPart>,
 }
 
@@ -529,6 +553,7 @@ impl Oracle {
         let (reference, mags) = rayon::join(|| reference_outputs(p), || magnitudes(p));
         Oracle {
             forward: Some((reference, mags)),
+            packed: None,
             gradients: None,
         }
     }
@@ -547,6 +572,7 @@ impl Oracle {
             let reference = given.map(|g| g.expect("checked"));
             return Oracle {
                 forward: Some((reference, mags)),
+                packed: None,
                 gradients: None,
             };
         }
@@ -558,6 +584,69 @@ impl Oracle {
             }
         }
         o
+    }
+
+    /// A packed (serving) problem ([`ssd_reference::serving`]): `out`, `final_states`,
+    /// `varlen_states` and `position_states` from the naive recurrence run sequence by sequence
+    /// from each sequence's initial state, `dA_cumsum` from the chunked path with the implied
+    /// `seq_idx`, `chunk_states` (the state entering each chunk of the global grid) from the
+    /// recurrence's states at the chunk ends; the magnitudes of
+    /// [`ssd_reference::magnitude::magnitudes_packed`].
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] naming the tensor when the packing does not fit `p`.
+    pub fn for_packed(p: &Problem<f64>, packing: &Packing<f64>) -> Result<Self, VerifyError> {
+        let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
+        packing.validate(p).map_err(usage)?;
+        let ps = packing.with_seq_idx(p).map_err(usage)?;
+        let d = *p.dims();
+        let l = p.options().chunk_size;
+        let ((served, chunked_out), mags) = rayon::join(
+            || {
+                rayon::join(
+                    || serving::forward(p, packing, Algorithm::Naive),
+                    || chunked::forward(&ps, MatmulPrecision::Native),
+                )
+            },
+            || magnitudes_packed(&ps, packing),
+        );
+        let served = served.map_err(usage)?;
+        let mut chunk_states = chunked_out.chunk_states;
+        if packing.seq_initial_states.is_some() {
+            // The state entering chunk c > 0 is the state after token c L - 1; chunk 0's is
+            // the state before token 0, the initial state of the sequence holding it.
+            let ends = Packing {
+                state_positions: (1..ps.nchunks()).map(|c| c * l - 1).collect(),
+                ..packing.clone()
+            };
+            let at = serving::forward(p, &ends, Algorithm::Naive).map_err(usage)?;
+            let first = implied_seq_idx(&packing.cu_seqlens)[0] as usize;
+            let s0 = packing
+                .initial_state(p, first)
+                .unwrap_or_else(|| ndarray::Array4::zeros((1, d.nheads, d.headdim, d.dstate)));
+            chunk_states
+                .slice_mut(ndarray::s![0, 0, .., .., ..])
+                .assign(&s0.slice(ndarray::s![0, .., .., ..]));
+            for c in 1..ps.nchunks() {
+                chunk_states
+                    .slice_mut(ndarray::s![0, c, .., .., ..])
+                    .assign(&at.position_states.slice(ndarray::s![c - 1, .., .., ..]));
+            }
+        }
+        let reference = [
+            served.out.into_dyn(),
+            served.final_states.into_dyn(),
+            chunked_out.dA_cumsum.into_dyn(),
+            chunk_states.into_dyn(),
+        ];
+        Ok(Oracle {
+            forward: Some((reference, mags)),
+            packed: Some([
+                served.varlen_states.into_dyn(),
+                served.position_states.into_dyn(),
+            ]),
+            gradients: None,
+        })
     }
 
     /// The gradients only: the float64 adjoint of `p` pulled back from `dout` and
@@ -588,6 +677,7 @@ impl Oracle {
             .collect();
         Ok(Oracle {
             forward: None,
+            packed: None,
             gradients: Some(GradPart { reference, mags }),
         })
     }
@@ -613,6 +703,8 @@ impl Oracle {
             self.gradients
                 .as_ref()
                 .is_some_and(|g| g.reference.iter().any(|(n, _)| *n == name))
+        } else if name.is_packed() {
+            self.packed.is_some()
         } else {
             self.forward.is_some()
         }
@@ -632,6 +724,8 @@ impl Oracle {
                 "no reference for `{name}`: {}",
                 if name.is_gradient() {
                     "the oracle has no gradients, or the case has no such input"
+                } else if name.is_packed() {
+                    "the case is not packed (no `cu_seqlens`)"
                 } else {
                     "the oracle was built for gradients only"
                 }
@@ -644,6 +738,13 @@ impl Oracle {
                 .find(|(n, _)| *n == name)
                 .map(|(_, a)| a)
                 .ok_or_else(missing)
+        } else if name.is_packed() {
+            let [v, pos] = self.packed.as_ref().ok_or_else(missing)?;
+            Ok(if name == OutputName::VarlenStates {
+                v
+            } else {
+                pos
+            })
         } else {
             let (r, _) = self.forward.as_ref().ok_or_else(missing)?;
             Ok(&r[name.index()])
