@@ -533,6 +533,7 @@ fn save_case<'py>(
             },
             problem,
             expected,
+            packing: None,
         };
         fixture::write_case(&path, &case, dtype)
     })

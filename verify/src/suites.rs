@@ -382,6 +382,8 @@ pub fn expected_outputs(problem: &Problem<f64>) -> Expected {
         chunk_states: Some(chunk_states.into_dimensionality().expect("contract shape")),
         out_mag: Some(fixed4(mags.out.mag)),
         final_states_mag: Some(fixed4(mags.final_states.mag)),
+        varlen_states: None,
+        position_states: None,
     }
 }
 
@@ -413,5 +415,6 @@ pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyErr
         },
         problem,
         expected,
+        packing: None,
     })
 }

@@ -44,6 +44,7 @@ fn case_with(dir: &Path, extra: &[(&str, Array4<f64>)]) -> (PathBuf, Problem<f64
         meta: CaseMeta::default(),
         problem: problem.clone(),
         expected: Expected::default(),
+        packing: None,
     };
     write_case(&path, &case, FloatDtype::F64).unwrap();
     let tensors = path.with_extension("safetensors");
@@ -314,6 +315,7 @@ fn check_refuses_bad_gradient_candidates() {
         meta: CaseMeta::default(),
         problem: p,
         expected: Expected::default(),
+        packing: None,
     };
     write_case(&plain_case, &c, FloatDtype::F64).unwrap();
     write(&[("dz", ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 8, 2, 3])))]);

@@ -35,6 +35,7 @@ fn write_full_case(dir: &Path) -> PathBuf {
         meta: CaseMeta::default(),
         problem,
         expected: Expected::default(),
+        packing: None,
     };
     write_case(&path, &case, FloatDtype::F64).unwrap();
     path

@@ -281,11 +281,11 @@ fn wrong_shapes_are_refused_naming_the_tensor_and_its_layout() {
 #[test]
 fn wrong_dtypes_are_refused_naming_the_tensor() {
     let mut raw = Raw::valid();
-    let dt = raw.float("dt").clone();
-    raw.set_float("dt", dt, FloatDtype::BF16);
+    let a = raw.float("A").clone();
+    raw.set_float("A", a, FloatDtype::BF16);
     expect_error(
-        &raw.write("dtype-dt"),
-        &["tensor `dt` has dtype BF16, expected F64 or F32"],
+        &raw.write("dtype-A"),
+        &["tensor `A` has dtype BF16, expected F64 or F32"],
     );
 
     let mut raw = Raw::valid();

@@ -40,6 +40,7 @@ fn case(problem: Problem<f64>) -> Case {
         meta: CaseMeta::default(),
         problem,
         expected: Expected::default(),
+        packing: None,
     }
 }
 
@@ -75,6 +76,7 @@ fn f64_case_round_trips_exactly_with_its_meta() {
         },
         problem: p.clone(),
         expected: Expected::default(),
+        packing: None,
     };
     let path = dir.join("full.json");
     write_case(&path, &c, FloatDtype::F64).unwrap();
@@ -250,11 +252,13 @@ fn expected_outputs_and_magnitudes_round_trip() {
         )),
         out_mag: Some(ramp4((d.batch, d.seqlen, d.nheads, d.headdim), 1.0).mapv(f64::abs)),
         final_states_mag: Some(ramp4((d.batch, d.nheads, d.headdim, d.dstate), 1.0).mapv(f64::abs)),
+        ..Expected::default()
     };
     let c = Case {
         meta: CaseMeta::default(),
         problem: p,
         expected: expected.clone(),
+        packing: None,
     };
     let path = dir.join("case.json");
     write_case(&path, &c, FloatDtype::F64).unwrap();
