@@ -548,7 +548,7 @@ fn lane_body(
         if let Some(k) = packing {
             let q = seq as usize;
             let is_end = k.cu_seqlens[q + 1] == t + 1;
-            let wanted = k.state_positions.iter().any(|&pos| pos == t);
+            let wanted = k.state_positions.contains(&t);
             if is_end || wanted {
                 let out_e: Vec<f64> = se.iter().zip(&sm).map(|(e, m)| e + CROSSING * m).collect();
                 if is_end {

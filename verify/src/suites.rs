@@ -18,6 +18,7 @@
 use ndarray::{Array4, ArrayD};
 use serde_json::Value;
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx};
+use ssd_reference::serving::Packing;
 use ssd_reference::{Dims, Options, Problem};
 
 use crate::error::VerifyError;
@@ -32,6 +33,7 @@ pub enum Suite {
     Edge,
     Standard,
     Backward,
+    Serving,
 }
 
 impl Suite {
@@ -42,6 +44,7 @@ impl Suite {
             Suite::Edge => "edge",
             Suite::Standard => "standard",
             Suite::Backward => "backward",
+            Suite::Serving => "serving",
         }
     }
 }
@@ -55,6 +58,23 @@ pub struct CaseSpec {
     pub spec: ProblemSpec,
     /// The dtype the inputs are stored in (F16/BF16 apply to `x`, `z`, `B`, `C` only).
     pub input_dtype: FloatDtype,
+    /// A packed (serving) case: how the row splits into sequences ([`Suite::Serving`]).
+    pub packing: Option<PackingSpec>,
+}
+
+/// The packing of a serving case, before its values are drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackingSpec {
+    /// Tokens per sequence; their sum is the case's seqlen.
+    pub lens: Vec<usize>,
+    /// One initial state per sequence (`seq_initial_states`), drawn from the case's seed.
+    pub per_sequence_states: bool,
+    /// Which sequences have one (`seq_has_initial_state`), when not all.
+    pub mask: Option<Vec<bool>>,
+    /// The per-sequence states hold values of an f16 state cache.
+    pub f16_cache: bool,
+    /// Token positions whose state is wanted; `None` for every token.
+    pub positions: Option<Vec<usize>>,
 }
 
 fn case(name: &'static str, description: &'static str, spec: ProblemSpec) -> CaseSpec {
@@ -63,6 +83,7 @@ fn case(name: &'static str, description: &'static str, spec: ProblemSpec) -> Cas
         description,
         spec,
         input_dtype: FloatDtype::F32,
+        packing: None,
     }
 }
 
@@ -83,7 +104,80 @@ pub fn cases(suite: Suite) -> Vec<CaseSpec> {
         Suite::Edge => edge(),
         Suite::Standard => standard(),
         Suite::Backward => backward(),
+        Suite::Serving => serving(),
     }
+}
+
+/// A serving case: batch 1, the given sequence lengths, every other option as `spec` says.
+fn packed(
+    name: &'static str,
+    description: &'static str,
+    spec: ProblemSpec,
+    packing: PackingSpec,
+) -> CaseSpec {
+    let seqlen = packing.lens.iter().sum();
+    let d = spec.dims;
+    CaseSpec {
+        spec: ProblemSpec {
+            dims: Dims::new(1, seqlen, d.nheads, d.headdim, d.ngroups, d.dstate),
+            seq_idx: SeqIdx::None,
+            ..spec
+        },
+        packing: Some(packing),
+        ..case(name, description, spec)
+    }
+}
+
+fn serving() -> Vec<CaseSpec> {
+    let full = ProblemSpec {
+        initial_states: false,
+        ..ProblemSpec::full(Dims::new(1, 1, 4, 8, 2, 8), 32)
+    };
+    let states = |lens: Vec<usize>, positions: Option<Vec<usize>>| PackingSpec {
+        lens,
+        per_sequence_states: true,
+        mask: None,
+        f16_cache: false,
+        positions,
+    };
+    vec![
+        packed(
+            "prefill-mixed",
+            "5 packed sequences of 0, 7, 45, 32 and 19 tokens (a zero-length one, one shorter than a chunk, boundaries on and off the 32-token grid), each from its own initial state, the second without one (mask), states at 4 positions; every option",
+            full,
+            PackingSpec {
+                mask: Some(vec![true, false, true, true, true]),
+                ..states(vec![0, 7, 45, 32, 19], Some(vec![3, 6, 40, 102]))
+            },
+        ),
+        packed(
+            "decode-1",
+            "a decode step: 8 sequences of 1 token, each continuing from its own cached state (values of an f16 cache)",
+            full,
+            PackingSpec {
+                f16_cache: true,
+                ..states(vec![1; 8], Some(Vec::new()))
+            },
+        ),
+        packed(
+            "decode-4",
+            "4 tokens per sequence for 6 sequences (speculative decoding): every per-token state wanted",
+            full,
+            states(vec![4; 6], None),
+        ),
+        packed(
+            "mamba-varlen",
+            "mamba_ssm's convention: 3 sequences of 20, 50 and 30 tokens, initial_states for the first only, varlen states out (return_varlen_states=True); dt_limit [0.001, 0.5]",
+            ProblemSpec {
+                initial_states: true,
+                ..full
+            },
+            PackingSpec {
+                per_sequence_states: false,
+                ..states(vec![20, 50, 30], Some(Vec::new()))
+            },
+        ),
+    ]
 }
 
 fn backward() -> Vec<CaseSpec> {
@@ -397,7 +491,15 @@ pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyErr
     let drawn = random_problem(&spec.spec, seed)
         .map_err(|e| VerifyError::Usage(format!("case `{}`: {e}", spec.name)))?;
     let problem = round_inputs(&drawn, spec.input_dtype)?;
-    let expected = expected_outputs(&problem);
+    // The states as the case stores them (like initial_states, in the inputs' dtype).
+    let packing = spec
+        .packing
+        .as_ref()
+        .map(|k| crate::fixture::round_packing(&draw_packing(k, &problem, seed), spec.input_dtype));
+    let expected = match &packing {
+        None => expected_outputs(&problem),
+        Some(k) => packed_expected(&problem, k)?,
+    };
     let mut extra = serde_json::Map::new();
     extra.insert("suite".into(), Value::from(suite.name()));
     let generator = "ssd-oracle gen (float64 naive recurrence; chunked path in f64 for dA_cumsum and chunk_states)";
@@ -413,8 +515,69 @@ pub fn build(spec: &CaseSpec, suite: Suite, seed: u64) -> Result<Case, VerifyErr
             description: Some(spec.description.to_string()),
             extra,
         },
-        problem,
+        problem: match &packing {
+            Some(k) => k
+                .with_seq_idx(&problem)
+                .map_err(|e| VerifyError::Usage(format!("case `{}`: {e}", spec.name)))?,
+            None => problem,
+        },
         expected,
-        packing: None,
+        packing,
+    })
+}
+
+/// The packing of `k` for `p`, its states drawn from `seed` (uniform in `[-1, 1)`, rounded to
+/// f16 for an f16 cache).
+fn draw_packing(k: &PackingSpec, p: &Problem<f64>, seed: u64) -> Packing<f64> {
+    let d = *p.dims();
+    let mut cu = vec![0usize];
+    for &l in &k.lens {
+        cu.push(cu.last().expect("one") + l);
+    }
+    let mut packing = Packing::new(cu);
+    let mut rng = ssd_reference::random::SpecRng::new(seed ^ 0x5e55_1045);
+    if k.per_sequence_states {
+        packing.seq_initial_states = Some(Array4::from_shape_fn(
+            (k.lens.len(), d.nheads, d.headdim, d.dstate),
+            |_| {
+                let v = 2.0 * rng.unit() - 1.0;
+                if k.f16_cache {
+                    half::f16::from_f64(v).to_f64()
+                } else {
+                    v
+                }
+            },
+        ));
+        packing.seq_has_initial_state = k.mask.clone();
+    }
+    packing.state_positions = k
+        .positions
+        .clone()
+        .unwrap_or_else(|| (0..d.seqlen).collect());
+    packing
+}
+
+/// The expected outputs of a packed case ([`crate::tolerance::packed_reference`]) and its
+/// magnitudes.
+///
+/// # Errors
+/// [`VerifyError::Usage`] when the packing does not fit the problem.
+pub fn packed_expected(problem: &Problem<f64>, k: &Packing<f64>) -> Result<Expected, VerifyError> {
+    let ([out, final_states, da, chunk_states], [varlen, positions]) =
+        crate::tolerance::packed_reference(problem, k)?;
+    let ps = k
+        .with_seq_idx(problem)
+        .map_err(|e| VerifyError::Usage(e.to_string()))?;
+    let mags = ssd_reference::magnitude::magnitudes_packed(&ps, k);
+    let fixed4 = |a: ArrayD<f64>| a.into_dimensionality().expect("contract shape");
+    Ok(Expected {
+        out: Some(fixed4(out)),
+        final_states: Some(fixed4(final_states)),
+        dA_cumsum: Some(fixed4(da)),
+        chunk_states: Some(chunk_states.into_dimensionality().expect("contract shape")),
+        out_mag: Some(fixed4(mags.out.mag)),
+        final_states_mag: Some(fixed4(mags.final_states.mag)),
+        varlen_states: Some(fixed4(varlen)),
+        position_states: (!k.state_positions.is_empty()).then(|| fixed4(positions)),
     })
 }

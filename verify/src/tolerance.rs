@@ -514,6 +514,69 @@ pub fn reference_outputs(p: &Problem<f64>) -> [ArrayD<f64>; 4] {
     ]
 }
 
+/// `[out, final_states, dA_cumsum, chunk_states]` and `[varlen_states, position_states]`.
+pub type PackedReference = ([ArrayD<f64>; 4], [ArrayD<f64>; 2]);
+
+/// The float64 reference of a packed (serving) problem ([`ssd_reference::serving`]):
+/// `[out, final_states, dA_cumsum, chunk_states]` and `[varlen_states, position_states]`.
+/// `out`, `final_states` and the states come from the naive recurrence run sequence by
+/// sequence from each sequence's initial state, `dA_cumsum` from the chunked path with the
+/// implied `seq_idx`, `chunk_states` (the state entering each chunk of the global grid) from
+/// the chunked path without per-sequence states and from the recurrence's states at the chunk
+/// ends with them.
+///
+/// # Errors
+/// [`VerifyError::Usage`] naming the tensor when the packing does not fit `p`.
+pub fn packed_reference(
+    p: &Problem<f64>,
+    packing: &Packing<f64>,
+) -> Result<PackedReference, VerifyError> {
+    let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
+    packing.validate(p).map_err(usage)?;
+    let ps = packing.with_seq_idx(p).map_err(usage)?;
+    let d = *p.dims();
+    let l = p.options().chunk_size;
+    let (served, chunked_out) = rayon::join(
+        || serving::forward(p, packing, Algorithm::Naive),
+        || chunked::forward(&ps, MatmulPrecision::Native),
+    );
+    let served = served.map_err(usage)?;
+    let mut chunk_states = chunked_out.chunk_states;
+    if packing.seq_initial_states.is_some() {
+        // The state entering chunk c > 0 is the state after token c L - 1; chunk 0's is the
+        // state before token 0, the initial state of the sequence holding it.
+        let ends = Packing {
+            state_positions: (1..ps.nchunks()).map(|c| c * l - 1).collect(),
+            ..packing.clone()
+        };
+        let at = serving::forward(p, &ends, Algorithm::Naive).map_err(usage)?;
+        let first = implied_seq_idx(&packing.cu_seqlens)[0] as usize;
+        let s0 = packing
+            .initial_state(p, first)
+            .unwrap_or_else(|| ndarray::Array4::zeros((1, d.nheads, d.headdim, d.dstate)));
+        chunk_states
+            .slice_mut(ndarray::s![0, 0, .., .., ..])
+            .assign(&s0.slice(ndarray::s![0, .., .., ..]));
+        for c in 1..ps.nchunks() {
+            chunk_states
+                .slice_mut(ndarray::s![0, c, .., .., ..])
+                .assign(&at.position_states.slice(ndarray::s![c - 1, .., .., ..]));
+        }
+    }
+    Ok((
+        [
+            served.out.into_dyn(),
+            served.final_states.into_dyn(),
+            chunked_out.dA_cumsum.into_dyn(),
+            chunk_states.into_dyn(),
+        ],
+        [
+            served.varlen_states.into_dyn(),
+            served.position_states.into_dyn(),
+        ],
+    ))
+}
+
 /// The float64 reference gradients of a problem and their magnitudes.
 #[derive(Debug, Clone)]
 struct GradPart {
@@ -599,52 +662,14 @@ impl Oracle {
         let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
         packing.validate(p).map_err(usage)?;
         let ps = packing.with_seq_idx(p).map_err(usage)?;
-        let d = *p.dims();
-        let l = p.options().chunk_size;
-        let ((served, chunked_out), mags) = rayon::join(
-            || {
-                rayon::join(
-                    || serving::forward(p, packing, Algorithm::Naive),
-                    || chunked::forward(&ps, MatmulPrecision::Native),
-                )
-            },
+        let (refs, mags) = rayon::join(
+            || packed_reference(p, packing),
             || magnitudes_packed(&ps, packing),
         );
-        let served = served.map_err(usage)?;
-        let mut chunk_states = chunked_out.chunk_states;
-        if packing.seq_initial_states.is_some() {
-            // The state entering chunk c > 0 is the state after token c L - 1; chunk 0's is
-            // the state before token 0, the initial state of the sequence holding it.
-            let ends = Packing {
-                state_positions: (1..ps.nchunks()).map(|c| c * l - 1).collect(),
-                ..packing.clone()
-            };
-            let at = serving::forward(p, &ends, Algorithm::Naive).map_err(usage)?;
-            let first = implied_seq_idx(&packing.cu_seqlens)[0] as usize;
-            let s0 = packing
-                .initial_state(p, first)
-                .unwrap_or_else(|| ndarray::Array4::zeros((1, d.nheads, d.headdim, d.dstate)));
-            chunk_states
-                .slice_mut(ndarray::s![0, 0, .., .., ..])
-                .assign(&s0.slice(ndarray::s![0, .., .., ..]));
-            for c in 1..ps.nchunks() {
-                chunk_states
-                    .slice_mut(ndarray::s![0, c, .., .., ..])
-                    .assign(&at.position_states.slice(ndarray::s![c - 1, .., .., ..]));
-            }
-        }
-        let reference = [
-            served.out.into_dyn(),
-            served.final_states.into_dyn(),
-            chunked_out.dA_cumsum.into_dyn(),
-            chunk_states.into_dyn(),
-        ];
+        let (reference, packed) = refs?;
         Ok(Oracle {
             forward: Some((reference, mags)),
-            packed: Some([
-                served.varlen_states.into_dyn(),
-                served.position_states.into_dyn(),
-            ]),
+            packed: Some(packed),
             gradients: None,
         })
     }

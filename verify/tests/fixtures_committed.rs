@@ -13,12 +13,17 @@ use ndarray::Array4;
 use rayon::prelude::*;
 use ssd_reference::{chunked, MatmulPrecision};
 use ssd_verify::fixture::{read_case, Dtype, FloatDtype, Outputs, TensorFile};
-use ssd_verify::tolerance::{Candidate, Oracle, Precision};
+use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision};
 
-const SUITES: [&str; 3] = ["smoke", "edge", "backward"];
+const SUITES: [&str; 4] = ["smoke", "edge", "backward", "serving"];
 
+/// The committed cases of one row per batch element (the packed ones, `serving/`, are checked
+/// by [`committed_serving_cases_pass_and_refuse`]).
 fn committed() -> Vec<PathBuf> {
-    let m = manifests(&fixtures_root());
+    let m: Vec<PathBuf> = manifests(&fixtures_root())
+        .into_iter()
+        .filter(|p| !p.starts_with(fixtures_root().join("serving")))
+        .collect();
     assert!(m.len() >= 20, "committed fixtures missing: {m:?}");
     m
 }
@@ -39,6 +44,47 @@ fn meaningful_difference(committed: &Path, fresh: &Path) -> Option<String> {
     }
     if ia.initial_states != ib.initial_states || ia.seq_idx != ib.seq_idx {
         return Some("initial_states or seq_idx differ".into());
+    }
+    if a.packing != b.packing {
+        return Some("the packing (cu_seqlens, per-sequence states, positions) differs".into());
+    }
+    if let Some(k) = &a.packing {
+        // Every expected tensor within the f64 bound of the fresh one.
+        let oracle = Oracle::for_packed(&a.problem, k).unwrap();
+        let e = &b.expected;
+        let fresh = [
+            (OutputName::Out, e.out.clone().map(|t| t.into_dyn())),
+            (
+                OutputName::FinalStates,
+                e.final_states.clone().map(|t| t.into_dyn()),
+            ),
+            (
+                OutputName::DACumsum,
+                e.dA_cumsum.clone().map(|t| t.into_dyn()),
+            ),
+            (
+                OutputName::ChunkStates,
+                e.chunk_states.clone().map(|t| t.into_dyn()),
+            ),
+            (
+                OutputName::VarlenStates,
+                e.varlen_states.clone().map(|t| t.into_dyn()),
+            ),
+            (
+                OutputName::PositionStates,
+                e.position_states.clone().map(|t| t.into_dyn()),
+            ),
+        ];
+        for (name, t) in fresh {
+            let Some(t) = t else { continue };
+            let r = oracle
+                .compare(name, &t, Dtype::F64, Precision::F64)
+                .unwrap();
+            if !r.passed() {
+                return Some(format!("{name} differs beyond the f64 bound"));
+            }
+        }
+        return None;
     }
     let close = |x: &Option<Array4<f64>>, y: &Option<Array4<f64>>| match (x, y) {
         (Some(x), Some(y)) => x
@@ -302,4 +348,84 @@ fn every_fault_fails_a_committed_fixture_through_check() {
         missed.is_empty(),
         "faults no committed fixture catches: {missed:?}"
     );
+}
+
+/// Every committed serving case: what `ssd-oracle run` writes with the naive recurrence in f32
+/// and the chunked path with TF32 operands passes `ssd-oracle check` at f32 and tf32; with one
+/// sequence's initial state withheld (or, for mamba_ssm's convention, the first sequence's),
+/// the same run is refused.
+#[test]
+fn committed_serving_cases_pass_and_refuse() {
+    let cases = manifests(&fixtures_root().join("serving"));
+    assert!(cases.len() >= 4, "serving fixtures missing: {cases:?}");
+    let tmp = TempDir::new("serving");
+    for m in &cases {
+        let ms = m.to_str().unwrap();
+        let cand = tmp.path("cand.safetensors");
+        let cs = cand.to_str().unwrap();
+        for (imp, prec) in [("naive", "f32"), ("chunked", "tf32")] {
+            let (code, out, err) = oracle(&[
+                "run",
+                "--case",
+                ms,
+                "--impl",
+                imp,
+                "--precision",
+                prec,
+                "--out",
+                cs,
+            ]);
+            assert_eq!(code, 0, "{}: {out}{err}", m.display());
+            let (code, out, err) = oracle(&[
+                "check",
+                "--case",
+                ms,
+                "--candidate",
+                cs,
+                "--precision",
+                prec,
+            ]);
+            assert_eq!(code, 0, "{} {imp} {prec}: {out}{err}", m.display());
+            assert!(out.contains("varlen_states"), "{out}");
+        }
+        // One sequence's initial state withheld: the candidate computed as if it had none.
+        let loaded = read_case(m).unwrap();
+        let k = loaded.case.packing.clone().unwrap();
+        let mut wrong = k.clone();
+        let p = &loaded.case.problem;
+        let mut p2 = p.clone();
+        if let Some(s0) = &mut wrong.seq_initial_states {
+            let q = (0..k.nseq())
+                .find(|&q| {
+                    k.seq_has_initial_state.as_ref().is_none_or(|h| h[q])
+                        && k.cu_seqlens[q + 1] > k.cu_seqlens[q]
+                })
+                .unwrap();
+            s0.index_axis_mut(ndarray::Axis(0), q).fill(0.0);
+        } else {
+            let mut i = p.inputs().clone();
+            i.initial_states = None;
+            p2 = ssd_reference::Problem::new(*p.dims(), *p.options(), i).unwrap();
+        }
+        let o = ssd_reference::serving::forward(
+            &p2.cast::<f32>(),
+            &wrong.cast::<f32>(),
+            ssd_reference::serving::Algorithm::Naive,
+        )
+        .unwrap();
+        let mut w = ssd_verify::fixture::TensorWriter::new();
+        w.push("out", &o.out, FloatDtype::F32);
+        w.push("varlen_states", &o.varlen_states, FloatDtype::F32);
+        w.write(&cand).unwrap();
+        let (code, out, err) = oracle(&[
+            "check",
+            "--case",
+            ms,
+            "--candidate",
+            cs,
+            "--precision",
+            "f32",
+        ]);
+        assert_eq!(code, 1, "{} with a state withheld: {out}{err}", m.display());
+    }
 }

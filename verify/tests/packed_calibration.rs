@@ -46,19 +46,22 @@ fn store(a: &ArrayD<f64>, dtype: Dtype) -> ArrayD<f64> {
     }
 }
 
+/// A tensor, its values as stored, and the dtype it is stored in.
+type Stored = (OutputName, ArrayD<f64>, Dtype);
+
 /// One correct implementation: label, claimed precision, and its four outputs with the dtype
 /// each is stored in.
 struct Path {
     label: &'static str,
     precision: Precision,
-    run: fn(&Problem<f64>, &Packing<f64>) -> Vec<(OutputName, ArrayD<f64>, Dtype)>,
+    run: fn(&Problem<f64>, &Packing<f64>) -> Vec<Stored>,
 }
 
 fn f32_run(p: &Problem<f64>, k: &Packing<f64>, alg: Algorithm) -> [ArrayD<f64>; 4] {
     widen(forward(&p.cast::<f32>(), &k.cast::<f32>(), alg).expect("valid"))
 }
 
-fn all_f32(o: [ArrayD<f64>; 4]) -> Vec<(OutputName, ArrayD<f64>, Dtype)> {
+fn all_f32(o: [ArrayD<f64>; 4]) -> Vec<Stored> {
     NAMES
         .into_iter()
         .zip(o)

@@ -83,11 +83,37 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
 
     // The forward's outputs (`out` required when any is given) and the gradients.
     let mut present = Vec::new();
-    for name in OutputName::ALL.into_iter().chain(OutputName::GRADIENTS) {
+    let packing = loaded.case.packing.as_ref();
+    for name in OutputName::ALL
+        .into_iter()
+        .chain(OutputName::PACKED)
+        .chain(OutputName::GRADIENTS)
+    {
         let Some(t) = file.read_float_opt(name.name())? else {
             continue;
         };
-        if let Some(input) = name.input() {
+        if name.is_packed() {
+            let Some(k) = packing else {
+                return Err(VerifyError::Tensors {
+                    path: args.candidate.clone(),
+                    message: format!(
+                        "tensor `{name}` is an output of packed cases, and the case has no `cu_seqlens`"
+                    ),
+                });
+            };
+            let want = fixture::expected_shape_packed(name.name(), dims, chunk, k)
+                .expect("a packed output");
+            if t.data.shape() != want.as_slice() {
+                return Err(VerifyError::Tensors {
+                    path: args.candidate.clone(),
+                    message: format!(
+                        "tensor `{name}` has shape {:?}, expected {} = {want:?} from the case",
+                        t.data.shape(),
+                        fixture::layout(name.name()).unwrap_or("?")
+                    ),
+                });
+            }
+        } else if let Some(input) = name.input() {
             if !case_has_input(problem, input) {
                 return Err(VerifyError::Tensors {
                     path: args.candidate.clone(),
@@ -125,9 +151,17 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
 
     let mut oracle = None;
     if forward {
-        let o = Oracle::with_expected(problem, &loaded.case.expected);
+        let o = match packing {
+            Some(k) => Oracle::for_packed(problem, k)?,
+            None => Oracle::with_expected(problem, &loaded.case.expected),
+        };
         check_stored_magnitudes(&args.case, &loaded.case.expected, &o)?;
         oracle = Some(o);
+    }
+    if gradients && packing.is_some_and(|k| k.seq_initial_states.is_some()) {
+        return Err(VerifyError::Usage(
+            "gradients of cases with per-sequence initial states (`seq_initial_states`) are not supported yet".into(),
+        ));
     }
     if gradients {
         let (dout, dfinal) = super::grad::read_upstream(&loaded)?;

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use ssd_verify::fixture::{self, LoadedCase, Outputs};
+use ssd_reference::serving::{self, Algorithm, Packing};
+use ssd_reference::{MatmulPrecision, Problem, Real};
+use ssd_verify::fixture::{self, FloatDtype, LoadedCase, Outputs, TensorWriter};
 use ssd_verify::VerifyError;
 
 use super::{
@@ -55,10 +57,13 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     let precision = args
         .precision
         .unwrap_or(args.implementation.default_precision());
-    check_combination(args.implementation, precision)?;
     check_out_path(&args.out)?;
     let loaded = fixture::read_case(&args.case)?;
     check_not_an_input(&args.out, &loaded)?;
+    if let Some(packing) = &loaded.case.packing {
+        return run_packed(args, &loaded, packing, precision);
+    }
+    check_combination(args.implementation, precision)?;
     let problem = &loaded.case.problem;
     check_output_size(problem, args.implementation)?;
     let prepared = Prepared::new(problem, precision);
@@ -242,6 +247,99 @@ pub fn fmt_ms(ms: f64) -> String {
 /// Seconds as milliseconds.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// A packed (serving) case: `out`, `final_states`, `varlen_states` and (when the case lists
+/// positions) `position_states`, computed sequence by sequence ([`serving::forward`]).
+fn run_packed(
+    args: &Args,
+    loaded: &LoadedCase,
+    packing: &Packing<f64>,
+    precision: Precision,
+) -> Result<ExitCode, VerifyError> {
+    let problem = &loaded.case.problem;
+    let algorithm = match (args.implementation, precision) {
+        (Impl::Gpu, _) => {
+            return Err(VerifyError::Usage(
+                "packed cases (`cu_seqlens`) have no GPU path yet: use --impl naive or chunked"
+                    .into(),
+            ))
+        }
+        (Impl::Naive, Precision::Tf32) => {
+            return Err(VerifyError::Usage(
+                "--precision tf32 needs --impl chunked: the naive recurrence has no matrix products to round to TF32".into(),
+            ))
+        }
+        (Impl::Naive, _) => Algorithm::Naive,
+        (Impl::Chunked, Precision::Tf32) => Algorithm::Chunked(MatmulPrecision::Tf32),
+        (Impl::Chunked, _) => Algorithm::Chunked(MatmulPrecision::Native),
+    };
+    fn go<T: Real>(
+        p: &Problem<T>,
+        k: &Packing<T>,
+        alg: Algorithm,
+        repeat: u32,
+        w: &mut TensorWriter,
+        dtype: FloatDtype,
+    ) -> Result<Vec<f64>, VerifyError> {
+        let mut times = Vec::new();
+        let mut last = None;
+        for _ in 0..repeat {
+            let t0 = std::time::Instant::now();
+            last =
+                Some(serving::forward(p, k, alg).map_err(|e| VerifyError::Usage(e.to_string()))?);
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let o = last.expect("repeat >= 1");
+        w.push("out", &o.out, dtype);
+        w.push("final_states", &o.final_states, dtype);
+        w.push("varlen_states", &o.varlen_states, dtype);
+        if !k.state_positions.is_empty() {
+            w.push("position_states", &o.position_states, dtype);
+        }
+        Ok(times)
+    }
+    let mut w = TensorWriter::new();
+    let dtype = precision.store_dtype();
+    let reps = args.repeat;
+    let times = match precision {
+        Precision::F64 => go(problem, packing, algorithm, reps, &mut w, dtype)?,
+        _ => go(
+            &problem.cast::<f32>(),
+            &packing.cast::<f32>(),
+            algorithm,
+            reps,
+            &mut w,
+            dtype,
+        )?,
+    };
+    w.write(&args.out)?;
+    let med = median(&times);
+    if args.json {
+        let report = json!({
+            "case": args.case.display().to_string(),
+            "out": args.out.display().to_string(),
+            "impl": args.implementation.name(),
+            "precision": precision.name(),
+            "nseq": packing.nseq(),
+            "positions": packing.state_positions.len(),
+            "compute_ms": times,
+            "compute_ms_median": med,
+        });
+        println!("{report}");
+    } else {
+        println!(
+            "wrote out, final_states, varlen_states{} to {} ({} {}, {} sequences): median {} ms over {} runs",
+            if packing.state_positions.is_empty() { "" } else { ", position_states" },
+            args.out.display(),
+            args.implementation.name(),
+            precision.name(),
+            packing.nseq(),
+            fmt_ms(med),
+            times.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]
