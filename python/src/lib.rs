@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use ndarray::{Array, ArrayD, Dimension};
+use ndarray::{Array, ArrayD, Dimension, Ix4};
 use numpy::{IntoPyArray, PyArrayDyn, PyReadonlyArrayDyn};
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -319,14 +319,17 @@ fn backward<'py>(
     Ok(dict)
 }
 
-/// Checks a kernel's outputs against the float64 reference of the inputs, within the error
-/// bound of `precision`. `candidates` maps each output name (`out`, `final_states`,
-/// `dA_cumsum`, `chunk_states`) to `(values as float64, storage dtype name)`. Returns the
+/// Checks a kernel's outputs and/or gradients against the float64 reference of the inputs,
+/// within the error bound of `precision`. `candidates` maps each output name (`out`,
+/// `final_states`, `dA_cumsum`, `chunk_states`) or gradient name (`dx`, `ddt`, `dA`, `dB`,
+/// `dC`, `dD`, `dz`, `ddt_bias`, `dinitial_states`) to `(values as float64, storage dtype
+/// name)`; gradients need the upstream `dout` (and optionally `dfinal_states`). Returns the
 /// report as `(json, text)`: the fields of `ssd-oracle check --json` and its table.
 #[pyfunction]
 #[pyo3(signature = (candidates, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     initial_states=None, seq_idx=None, dt_softplus=false, dt_limit=(0.0, f64::INFINITY),
-    precision="f32", case_label="(in memory)", candidate_label="(in memory)"))]
+    precision="f32", case_label="(in memory)", candidate_label="(in memory)", dout=None,
+    dfinal_states=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn check<'py>(
     py: Python<'py>,
@@ -347,6 +350,8 @@ fn check<'py>(
     precision: &str,
     case_label: &str,
     candidate_label: &str,
+    dout: Option<F64In<'py>>,
+    dfinal_states: Option<F64In<'py>>,
 ) -> PyResult<(String, String)> {
     let precision = self::precision(precision)?;
     let raw = RawInputs {
@@ -364,30 +369,86 @@ fn check<'py>(
     let p = problem(raw, options(chunk_size, dt_softplus, dt_limit))?;
     let mut present: Vec<(OutputName, ArrayD<f64>, Dtype)> = Vec::new();
     for (name, values, dtype) in &candidates {
-        let output = OutputName::ALL
-            .into_iter()
-            .find(|o| o.name() == name)
-            .ok_or_else(|| {
-                value_error(format!(
-                    "`{name}` is not an output of the contract (out, final_states, dA_cumsum, chunk_states)"
-                ))
-            })?;
+        let output = OutputName::from_name(name).ok_or_else(|| {
+            value_error(format!(
+                "`{name}` is not an output of the contract (out, final_states, dA_cumsum, chunk_states) nor a gradient (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states)"
+            ))
+        })?;
         if present.iter().any(|(o, _, _)| *o == output) {
             return Err(value_error(format!("`{name}` is given twice")));
         }
         let values = values.as_array().to_owned();
-        check_candidate_shape(output, values.shape(), p.dims(), chunk_size).map_err(value_error)?;
+        if !output.is_gradient() {
+            check_candidate_shape(output, values.shape(), p.dims(), chunk_size)
+                .map_err(value_error)?;
+        }
         present.push((output, values, storage_dtype(dtype, name)?));
     }
     if present.is_empty() {
         return Err(value_error("nothing to check: no output tensor was given"));
     }
+    let forward = present.iter().any(|(n, _, _)| !n.is_gradient());
+    let gradients = present.iter().any(|(n, _, _)| n.is_gradient());
+    if forward && !present.iter().any(|(n, _, _)| *n == OutputName::Out) {
+        return Err(value_error("the outputs must hold `out`"));
+    }
+    let upstream = match (gradients, &dout) {
+        (true, None) => {
+            return Err(value_error(
+                "gradients need the upstream gradient `dout` they were pulled back from",
+            ))
+        }
+        (true, Some(d)) => {
+            let d = d.as_array().into_dimensionality::<Ix4>().map_err(|_| {
+                value_error("`dout` must have 4 dimensions [batch, seqlen, nheads, headdim]")
+            })?;
+            let f = match &dfinal_states {
+                Some(f) => Some(f.as_array().into_dimensionality::<Ix4>().map_err(|_| {
+                    value_error(
+                        "`dfinal_states` must have 4 dimensions [batch, nheads, headdim, dstate]",
+                    )
+                })?),
+                None => None,
+            };
+            Some((d, f))
+        }
+        (false, _) => None,
+    };
     let labels = Labels {
         case: case_label.to_string(),
         candidate: candidate_label.to_string(),
     };
+    let oracle = py.detach(|| -> Result<Oracle, ssd_verify::VerifyError> {
+        let o = forward.then(|| Oracle::new(&p));
+        match (&upstream, o) {
+            (Some((d, f)), Some(o)) => o.add_gradients(&p, d.view(), f.as_ref().map(|f| f.view())),
+            (Some((d, f)), None) => {
+                Oracle::for_gradients(&p, d.view(), f.as_ref().map(|f| f.view()))
+            }
+            (None, Some(o)) => Ok(o),
+            (None, None) => unreachable!("something is present"),
+        }
+    });
+    let oracle = oracle.map_err(verify_error)?;
+    for (name, values, _) in &present {
+        if name.is_gradient() {
+            if !oracle.has(*name) {
+                return Err(value_error(format!(
+                    "`{name}` is the gradient of `{}`, which was not given",
+                    name.input().expect("a gradient")
+                )));
+            }
+            let want = oracle.reference(*name).shape();
+            if values.shape() != want {
+                return Err(value_error(format!(
+                    "`{name}` has shape {:?}, expected {want:?} (the shape of `{}`)",
+                    values.shape(),
+                    name.input().expect("a gradient")
+                )));
+            }
+        }
+    }
     let report = py.detach(|| {
-        let oracle = Oracle::new(&p);
         let tensors: Vec<_> = present.iter().map(|(n, a, d)| (*n, a, *d)).collect();
         check_candidate(labels, &p, &oracle, &tensors, Vec::new(), precision)
     });

@@ -75,3 +75,48 @@ def test_bad_upstream_gradients_raise_value_error_naming_the_tensor():
     dout = np.zeros(kw["x"].shape)
     with pytest.raises(ValueError, match="`dfinal_states`"):
         ssd_oracle.gradients(dout, **kw, dfinal_states=np.zeros((2, 4, 8, 5)))
+
+
+def test_check_gradients_matches_the_cli_and_refuses_a_wrong_gradient(tmp_path):
+    kw = random_inputs(seed=5)
+    dout, dfin = upstream(kw, seed=2)
+    # What an f32 backward computes: the command line's f32 adjoint.
+    case = tmp_path / "case.json"
+    ssd_oracle.save_case(case, **kw)
+    tensors = read_safetensors(tmp_path / "case.safetensors")
+    tensors.update(dout=dout, dfinal_states=dfin)
+    write_safetensors(tmp_path / "case.safetensors",
+                      {k: v.astype(np.float64) for k, v in tensors.items()})
+    out = tmp_path / "grads.safetensors"
+    r = run_oracle("grad", "--case", case, "--out", out, "--precision", "f32")
+    assert r.returncode == 0, r.stderr
+    g32 = read_safetensors(out)
+    report = ssd_oracle.check_gradients(g32, dout, **kw, dfinal_states=dfin)
+    assert report.passed, report.text
+    cli = run_oracle("check", "--case", case, "--candidate", out, "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["worst_ratio"] == report.worst_ratio
+    ssd_oracle.assert_gradients_close(g32, dout, **kw, dfinal_states=dfin)
+    # Without dfinal_states the truth differs: refused.
+    assert not ssd_oracle.check_gradients(g32, dout, **kw).passed
+    # One element of dB wrong by 1%: refused, and the message names it.
+    bad = dict(g32)
+    bad["dB"] = g32["dB"].copy()
+    bad["dB"][0, 3, 0, 1] *= 1.01
+    with pytest.raises(AssertionError, match="dB"):
+        ssd_oracle.assert_gradients_close(bad, dout, **kw, dfinal_states=dfin)
+
+
+def test_check_gradients_refusals():
+    kw = random_inputs(seed=6)
+    dout, _ = upstream(kw)
+    g = ssd_oracle.gradients(dout, **kw)
+    with pytest.raises(ValueError, match="`dq` is not a gradient"):
+        ssd_oracle.check_gradients({"dq": g["dx"]}, dout, **kw)
+    with pytest.raises(ValueError, match="`dx` has shape"):
+        ssd_oracle.check_gradients({"dx": g["dx"][:, :-1]}, dout, **kw)
+    no_z = {k: v for k, v in kw.items() if k != "z"}
+    with pytest.raises(ValueError, match="`dz` is the gradient of `z`"):
+        ssd_oracle.check_gradients({"dz": g["dz"]}, dout, **no_z)
+    with pytest.raises(ValueError, match="dout"):
+        ssd_oracle.check_gradients({"dx": g["dx"]}, dout[:, :-1], **kw)

@@ -36,7 +36,9 @@ __all__ = [
     "Case",
     "Report",
     "assert_close",
+    "assert_gradients_close",
     "check",
+    "check_gradients",
     "chunk_cumsum",
     "chunk_states",
     "gradients",
@@ -52,6 +54,7 @@ INF = float("inf")
 _FLOAT_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 OUTPUT_NAMES = ("out", "final_states", "dA_cumsum", "chunk_states")
+GRADIENT_NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
 
 
 def _torch_tensor_type():
@@ -399,6 +402,67 @@ def assert_close(actual, x, dt, A, B, C, chunk_size, *, precision="f32", D=None,
     if not report.passed:
         raise AssertionError(
             f"the outputs are not within the {report.precision} error bound "
+            f"(worst error/bound {report.worst_ratio})\n{report.text}"
+        )
+
+
+def check_gradients(grads, dout, x, dt, A, B, C, chunk_size, *, precision="f32", D=None,
+                    z=None, dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                    dt_limit=(0.0, INF), dfinal_states=None) -> Report:
+    """Checks a backward kernel's gradients against the float64 truth; returns a :class:`Report`.
+
+    ``grads`` maps gradient names (mamba_ssm's: ``dx``, ``ddt``, ``dA``, ``dB``, ``dC``, ``dD``,
+    ``dz``, ``ddt_bias``, ``dinitial_states``; any subset) to tensors, e.g. ``{"dx": x.grad,
+    "ddt": dt.grad}``, each checked in the dtype it is stored in. ``dout`` and
+    ``dfinal_states`` are the upstream gradients the kernel's gradients were pulled back from
+    (``torch.autograd.backward([out, final_states], [dout, dfinal_states])``); the other
+    arguments are those of ``mamba_chunk_scan_combined``. The truth is the adjoint recurrence
+    in float64 (:func:`gradients`) and the bound that of ``docs/tolerances.md`` ("Gradients").
+
+    >>> import numpy as np, ssd_oracle
+    >>> rng = np.random.default_rng(0)
+    >>> x, dt = rng.standard_normal((1, 8, 2, 4)), rng.random((1, 8, 2))
+    >>> A, B, C = -rng.random(2), rng.standard_normal((1, 8, 1, 3)), rng.standard_normal((1, 8, 1, 3))
+    >>> dout = rng.standard_normal((1, 8, 2, 4))
+    >>> g = ssd_oracle.gradients(dout, x, dt, A, B, C, 4)
+    >>> ssd_oracle.check_gradients({"dx": g["dx"].astype(np.float32)}, dout, x, dt, A, B, C, 4).passed
+    True
+    """
+    if not isinstance(grads, dict) or not grads:
+        raise ValueError("`grads` must be a non-empty dict of gradient names to tensors")
+    for name in grads:
+        if name not in GRADIENT_NAMES:
+            raise ValueError(
+                f"`{name}` is not a gradient of mamba_chunk_scan_combined: expected one of "
+                f"{', '.join(GRADIENT_NAMES)}"
+            )
+    kw = _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                        dt_softplus, dt_limit)
+    cands = []
+    for name, value in grads.items():
+        arr, dtype = _as_float64(name, value)
+        cands.append((name, arr, dtype))
+    up = {"dout": _as_float64("dout", dout)[0]}
+    if dfinal_states is not None:
+        up["dfinal_states"] = _as_float64("dfinal_states", dfinal_states)[0]
+    data, text = _native.check(cands, **kw, **up, precision=str(precision))
+    return Report(json.loads(data), text)
+
+
+def assert_gradients_close(grads, dout, x, dt, A, B, C, chunk_size, *, precision="f32", D=None,
+                           z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                           dt_softplus=False, dt_limit=(0.0, INF), dfinal_states=None) -> None:
+    """Raises ``AssertionError`` unless every element of every gradient is within its bound.
+
+    Same arguments as :func:`check_gradients`; the message is the report's table.
+    """
+    report = check_gradients(grads, dout, x, dt, A, B, C, chunk_size, precision=precision, D=D,
+                             z=z, dt_bias=dt_bias, initial_states=initial_states,
+                             seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                             dfinal_states=dfinal_states)
+    if not report.passed:
+        raise AssertionError(
+            f"the gradients are not within the {report.precision} error bound "
             f"(worst error/bound {report.worst_ratio})\n{report.text}"
         )
 
