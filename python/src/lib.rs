@@ -19,6 +19,7 @@ use pyo3::types::PyDict;
 use ssd_reference::chunk_cumsum::chunk_cumsum;
 use ssd_reference::compute_out::compute_out;
 use ssd_reference::fwd_pass_state::{chunk_state, state_passing};
+use ssd_reference::serving::{self, Packing};
 use ssd_reference::{naive, Dims, Inputs, MatmulPrecision, Options, Problem, Real};
 use ssd_verify::fixture::{self, Case, CaseMeta, Dtype, Expected, FloatDtype};
 use ssd_verify::report::{check_candidate, check_candidate_shape, Labels};
@@ -111,6 +112,19 @@ fn problem(raw: RawInputs<'_>, options: Options) -> PyResult<Problem<f64>> {
     Problem::new(Dims::new(bs, s, h, p, g, n), options, inputs).map_err(value_error)
 }
 
+/// The packing of `cu_seqlens` (mamba_ssm's varlen convention: no per-sequence states).
+fn packing(cu: &I64In<'_>) -> PyResult<Packing<f64>> {
+    let cu: Vec<usize> = cu
+        .as_array()
+        .iter()
+        .map(|&v| {
+            usize::try_from(v)
+                .map_err(|_| value_error(format!("`cu_seqlens` holds a negative value {v}")))
+        })
+        .collect::<PyResult<_>>()?;
+    Ok(Packing::new(cu))
+}
+
 fn options(chunk_size: usize, dt_softplus: bool, dt_limit: (f64, f64)) -> Options {
     Options {
         chunk_size,
@@ -186,7 +200,7 @@ fn stages<T: Real>(p: &Problem<T>, precision: MatmulPrecision) -> Stages {
 #[pyfunction]
 #[pyo3(signature = (x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     initial_states=None, seq_idx=None, dt_softplus=false, dt_limit=(0.0, f64::INFINITY),
-    algorithm="naive", precision="f64"))]
+    algorithm="naive", precision="f64", cu_seqlens=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn forward<'py>(
     py: Python<'py>,
@@ -205,6 +219,7 @@ fn forward<'py>(
     dt_limit: (f64, f64),
     algorithm: &str,
     precision: &str,
+    cu_seqlens: Option<I64In<'py>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let raw = RawInputs {
         x,
@@ -220,6 +235,22 @@ fn forward<'py>(
     };
     let p = problem(raw, options(chunk_size, dt_softplus, dt_limit))?;
     let dict = PyDict::new(py);
+    if let Some(cu) = cu_seqlens {
+        // Packed sequences: mamba_ssm's varlen convention (`initial_states` for the first).
+        if (algorithm, precision) != ("naive", "f64") {
+            return Err(value_error(
+                "packed sequences (cu_seqlens) are computed by the naive recurrence in f64 only",
+            ));
+        }
+        let k = packing(&cu)?;
+        let o = py
+            .detach(|| serving::forward(&p, &k, serving::Algorithm::Naive))
+            .map_err(|e| value_error(e.to_string()))?;
+        dict.set_item("out", to_numpy(py, &o.out))?;
+        dict.set_item("final_states", to_numpy(py, &o.final_states))?;
+        dict.set_item("varlen_states", to_numpy(py, &o.varlen_states))?;
+        return Ok(dict);
+    }
     match (algorithm, precision) {
         ("naive", "f64") => {
             let o = py.detach(|| naive::forward(&p));
@@ -329,7 +360,7 @@ fn backward<'py>(
 #[pyo3(signature = (candidates, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     initial_states=None, seq_idx=None, dt_softplus=false, dt_limit=(0.0, f64::INFINITY),
     precision="f32", case_label="(in memory)", candidate_label="(in memory)", dout=None,
-    dfinal_states=None))]
+    dfinal_states=None, cu_seqlens=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn check<'py>(
     py: Python<'py>,
@@ -352,6 +383,7 @@ fn check<'py>(
     candidate_label: &str,
     dout: Option<F64In<'py>>,
     dfinal_states: Option<F64In<'py>>,
+    cu_seqlens: Option<I64In<'py>>,
 ) -> PyResult<(String, String)> {
     let precision = self::precision(precision)?;
     let raw = RawInputs {
@@ -378,7 +410,7 @@ fn check<'py>(
             return Err(value_error(format!("`{name}` is given twice")));
         }
         let values = values.as_array().to_owned();
-        if !output.is_gradient() {
+        if !output.is_gradient() && !output.is_packed() {
             check_candidate_shape(output, values.shape(), p.dims(), chunk_size)
                 .map_err(value_error)?;
         }
@@ -418,8 +450,24 @@ fn check<'py>(
         case: case_label.to_string(),
         candidate: candidate_label.to_string(),
     };
-    let oracle = py.detach(|| -> Result<Oracle, ssd_verify::VerifyError> {
-        let o = forward.then(|| Oracle::new(&p));
+    let k = cu_seqlens.as_ref().map(packing).transpose()?;
+    if k.is_none() {
+        if let Some((n, _, _)) = present.iter().find(|(n, _, _)| n.is_packed()) {
+            return Err(value_error(format!(
+                "`{n}` needs cu_seqlens (packed sequences)"
+            )));
+        }
+    }
+    if k.is_some() && gradients {
+        return Err(value_error(
+            "gradients of packed sequences (cu_seqlens) are not supported yet",
+        ));
+    }
+    let oracle = py.detach(|| -> Result<Oracle, VerifyError> {
+        let o = match &k {
+            Some(k) => Some(Oracle::for_packed(&p, k)?),
+            None => forward.then(|| Oracle::new(&p)),
+        };
         match (&upstream, o) {
             (Some((d, f)), Some(o)) => o.add_gradients(&p, d.view(), f.as_ref().map(|f| f.view())),
             (Some((d, f)), None) => {
@@ -431,6 +479,15 @@ fn check<'py>(
     });
     let oracle = oracle.map_err(verify_error)?;
     for (name, values, _) in &present {
+        if name.is_packed() {
+            let want = oracle.reference(*name).shape();
+            if values.shape() != want {
+                return Err(value_error(format!(
+                    "`{name}` has shape {:?}, expected {want:?}",
+                    values.shape()
+                )));
+            }
+        }
         if name.is_gradient() {
             if !oracle.has(*name) {
                 return Err(value_error(format!(

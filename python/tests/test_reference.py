@@ -77,9 +77,37 @@ def test_return_values_follow_mamba_ssm():
     # cu_seqlens without return_varlen_states changes nothing, as in mamba_ssm
     same = ssd_oracle.mamba_chunk_scan_combined(**kw, cu_seqlens=np.array([0, 40]))
     assert np.array_equal(same, out)
-    with pytest.raises(NotImplementedError, match="varlen"):
+    with pytest.raises(ValueError, match="cu_seqlens must be provided"):
+        ssd_oracle.mamba_chunk_scan_combined(**kw, return_varlen_states=True)
+    with pytest.raises(ValueError, match="batch must be 1"):
         ssd_oracle.mamba_chunk_scan_combined(**kw, cu_seqlens=np.array([0, 40]),
                                              return_varlen_states=True)
+
+
+def test_varlen_states_follow_mamba_ssm():
+    # Three packed sequences in one row: mamba_ssm's varlen convention, initial_states for the
+    # first. Each sequence's final state is the final state of that sequence computed alone.
+    kw = random_inputs(seed=4, batch=1, seqlen=40)
+    cu = np.array([0, 9, 9, 40])
+    out, fin, var = ssd_oracle.mamba_chunk_scan_combined(
+        **kw, cu_seqlens=cu, return_final_states=True, return_varlen_states=True)
+    assert var.shape == (3,) + kw["initial_states"].shape[1:]
+    assert np.array_equal(var[2], fin[0])
+    # The empty sequence keeps its (zero) state; the first started from initial_states.
+    assert not var[1].any()
+    first = {k: (v[:, :9] if k in ("x", "dt", "B", "C", "z") else v) for k, v in kw.items()}
+    _, alone = ssd_oracle.mamba_chunk_scan_combined(**first, return_final_states=True)
+    np.testing.assert_allclose(var[0], alone[0], rtol=1e-12, atol=1e-12)
+    last = {k: (v[:, 9:] if k in ("x", "dt", "B", "C", "z") else v) for k, v in kw.items()}
+    last["initial_states"] = None
+    out_last = ssd_oracle.mamba_chunk_scan_combined(**last)
+    np.testing.assert_allclose(out[:, 9:], out_last, rtol=1e-12, atol=1e-12)
+    # The checker takes them: the truth passes, a varlen state of the wrong sequence fails.
+    args = dict(kw, cu_seqlens=cu, return_final_states=True, return_varlen_states=True)
+    assert ssd_oracle.check((out, fin, var), **args).passed
+    swapped = var[[0, 2, 1]]
+    report = ssd_oracle.check((out, fin, swapped), **args)
+    assert not report.passed and "varlen_states" in report.text
 
 
 def test_options_change_the_result():

@@ -149,12 +149,16 @@ def _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, se
     return kw
 
 
-def _packed_unsupported(return_varlen_states) -> None:
-    if return_varlen_states:
-        raise NotImplementedError(
-            "return_varlen_states (packed sequences with cu_seqlens) is not part of the oracle's "
-            "contract yet"
-        )
+def _packed(cu_seqlens, return_varlen_states):
+    """``cu_seqlens`` as int64 numpy when the call returns varlen states (mamba_ssm uses it only
+    then), else ``None``."""
+    if not return_varlen_states:
+        return None
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens must be provided if return_varlen_states is True")
+    if _is_torch(cu_seqlens):
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(cu_seqlens), dtype=np.int64)
 
 
 def _like(result: np.ndarray, x):
@@ -175,8 +179,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     Computed by the naive recurrence in float64 (the ground truth) from the inputs widened
     exactly. Returns ``out`` (``[batch, seqlen, nheads, headdim]``), or ``(out,
     final_states)`` with ``return_final_states``. As in mamba_ssm, ``cu_seqlens`` is used only
-    with ``return_varlen_states``, which the oracle does not support yet
-    (``NotImplementedError``).
+    with ``return_varlen_states``: then the batch must be 1, the state restarts at every
+    sequence start (``seq_idx`` is implied when not given), ``initial_states`` seeds the first
+    sequence, and the states after each sequence come last in the returned tuple (``(out,
+    varlen_states)`` or ``(out, final_states, varlen_states)``).
 
     >>> import numpy as np, ssd_oracle
     >>> rng = np.random.default_rng(0)
@@ -186,14 +192,17 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     >>> out.shape, final.shape, out.dtype
     ((1, 8, 2, 4), (1, 2, 4, 3), dtype('float64'))
     """
-    _packed_unsupported(return_varlen_states)
+    cu = _packed(cu_seqlens, return_varlen_states)
     kw = _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                         dt_softplus, dt_limit)
-    r = _native.forward(**kw, algorithm="naive", precision="f64")
+    r = _native.forward(**kw, algorithm="naive", precision="f64", cu_seqlens=cu)
     out = _like(r["out"], x)
+    result = [out]
     if return_final_states:
-        return out, _like(r["final_states"], x)
-    return out
+        result.append(_like(r["final_states"], x))
+    if cu is not None:
+        result.append(_like(r["varlen_states"], x))
+    return out if len(result) == 1 else tuple(result)
 
 
 def gradients(dout, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -335,29 +344,33 @@ class Report(_Record):
         return bool(self._data["passed"])
 
 
-def _candidates(actual, return_final_states) -> list[tuple[str, Any]]:
+def _candidates(actual, return_final_states, return_varlen_states=False):
     if isinstance(actual, dict):
         items = list(actual.items())
         for name, _ in items:
-            if name not in OUTPUT_NAMES:
+            if name not in OUTPUT_NAMES + ("varlen_states",):
                 raise ValueError(
                     f"`{name}` is not an output of mamba_chunk_scan_combined's contract: "
-                    f"expected one of {', '.join(OUTPUT_NAMES)}"
+                    f"expected one of {', '.join(OUTPUT_NAMES + ('varlen_states',))}"
                 )
         if "out" not in actual:
             raise ValueError("the outputs must hold `out`")
         return items
+    names = ["out"] + (["final_states"] if return_final_states else []) + (
+        ["varlen_states"] if return_varlen_states else [])
     if isinstance(actual, (tuple, list)):
-        if len(actual) == 2:
+        if len(actual) == len(names):
+            return list(zip(names, actual))
+        if len(actual) == 2 and not return_varlen_states:
             return [("out", actual[0]), ("final_states", actual[1])]
         if len(actual) == 1:
             return [("out", actual[0])]
         raise ValueError(
-            f"expected `out` or `(out, final_states)` as mamba_chunk_scan_combined returns them, "
-            f"got a sequence of {len(actual)} (varlen states are not supported yet)"
+            f"expected {', '.join(names)} as mamba_chunk_scan_combined returns them, "
+            f"got a sequence of {len(actual)}"
         )
-    if return_final_states:
-        raise ValueError("return_final_states=True but `actual` is a single tensor")
+    if len(names) > 1:
+        raise ValueError(f"expected {', '.join(names)} but `actual` is a single tensor")
     return [("out", actual)]
 
 
@@ -373,14 +386,15 @@ def check(actual, x, dt, A, B, C, chunk_size, *, precision="f32", D=None, z=None
     ``mamba_chunk_scan_combined``; ``precision`` is the arithmetic the kernel claims: ``"f64"``,
     ``"f32"``, ``"tf32"`` (TF32 tensor cores, Triton's default for f32 dots) or ``"bf16"``.
     """
-    _packed_unsupported(return_varlen_states)
+    cu = _packed(cu_seqlens, return_varlen_states or (
+        isinstance(actual, dict) and "varlen_states" in actual))
     kw = _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                         dt_softplus, dt_limit)
     cands = []
-    for name, value in _candidates(actual, return_final_states):
+    for name, value in _candidates(actual, return_final_states, return_varlen_states):
         arr, dtype = _as_float64(name, value)
         cands.append((name, arr, dtype))
-    data, text = _native.check(cands, **kw, precision=str(precision))
+    data, text = _native.check(cands, **kw, precision=str(precision), cu_seqlens=cu)
     return Report(json.loads(data), text)
 
 
