@@ -31,8 +31,8 @@ pub struct Args {
 
     /// The kernel's outputs: a safetensors file with `out` (and optionally `final_states`,
     /// `dA_cumsum`, `chunk_states`) and/or gradients (`dx`, `ddt`, `dA`, `dB`, `dC`, `dD`,
-    /// `dz`, `ddt_bias`, `dinitial_states`, each of its input's shape) laid out as the
-    /// contract says.
+    /// `dz`, `ddt_bias`, `dinitial_states`, each of its input's shape), and for a packed case
+    /// `varlen_states` and `position_states`, laid out as the contract says.
     #[arg(long, value_name = "CAND.safetensors")]
     pub candidate: PathBuf,
 
