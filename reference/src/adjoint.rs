@@ -95,6 +95,24 @@ pub struct Gradients<T> {
     pub dinitial_states: Option<Array4<T>>,
 }
 
+impl<T: Real> Gradients<T> {
+    /// Every gradient widened to f64 (exactly).
+    pub fn to_f64(&self) -> Gradients<f64> {
+        let w4 = |a: &Array4<T>| a.mapv(Real::as_f64);
+        Gradients {
+            dx: w4(&self.dx),
+            ddt: self.ddt.mapv(Real::as_f64),
+            dA: self.dA.mapv(Real::as_f64),
+            dB: w4(&self.dB),
+            dC: w4(&self.dC),
+            dD: self.dD.as_ref().map(|a| a.mapv(Real::as_f64)),
+            dz: self.dz.as_ref().map(w4),
+            ddt_bias: self.ddt_bias.as_ref().map(|a| a.mapv(Real::as_f64)),
+            dinitial_states: self.dinitial_states.as_ref().map(w4),
+        }
+    }
+}
+
 impl<T> Gradients<T> {
     /// Every gradient present, with its name (mamba_ssm's), in a fixed order.
     pub fn named(&self) -> Vec<(&'static str, ndarray::ArrayViewD<'_, T>)> {
@@ -145,14 +163,9 @@ pub fn backward<T: Real>(
     dout: ArrayView4<T>,
     dfinal_states: Option<ArrayView4<T>>,
 ) -> Result<Gradients<T>, ReferenceError> {
+    check_upstream(p, &dout, dfinal_states.as_ref())?;
     let d = *p.dims();
     let (bt, l, nh, hd, ng, ds) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
-    check_shape("dout", dout.shape(), &[bt, l, nh, hd])?;
-    check_finite("dout", &dout)?;
-    if let Some(f) = &dfinal_states {
-        check_shape("dfinal_states", f.shape(), &[bt, nh, hd, ds])?;
-        check_finite("dfinal_states", f)?;
-    }
     let i = p.inputs();
     let x = i.x.as_standard_layout();
     let bm = i.B.as_standard_layout();
@@ -322,6 +335,31 @@ fn add_heads<T: Real>(
                 }
             });
     }
+}
+
+/// The checks of the upstream gradients, one error naming the tensor: `dout` of shape `[batch,
+/// seqlen, nheads, headdim]`, `dfinal_states` of `[batch, nheads, headdim, dstate]`, both finite.
+pub(crate) fn check_upstream<T: Real>(
+    p: &Problem<T>,
+    dout: &ArrayView4<T>,
+    dfinal_states: Option<&ArrayView4<T>>,
+) -> Result<(), ReferenceError> {
+    let d = *p.dims();
+    check_shape(
+        "dout",
+        dout.shape(),
+        &[d.batch, d.seqlen, d.nheads, d.headdim],
+    )?;
+    check_finite("dout", dout)?;
+    if let Some(f) = dfinal_states {
+        check_shape(
+            "dfinal_states",
+            f.shape(),
+            &[d.batch, d.nheads, d.headdim, d.dstate],
+        )?;
+        check_finite("dfinal_states", f)?;
+    }
+    Ok(())
 }
 
 /// The inputs as flat row-major slices.

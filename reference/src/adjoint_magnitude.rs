@@ -52,7 +52,6 @@ use rayon::prelude::*;
 
 use crate::adjoint::Gradients;
 use crate::magnitude::dt_sensitivity;
-use crate::problem::{check_finite, check_shape};
 use crate::{Problem, ReferenceError};
 
 /// Tokens per recomputed block of forward states.
@@ -202,9 +201,8 @@ fn tokens(p: &Problem<f64>, b: usize, h: usize) -> Tokens {
 /// `|silu(z)|`, its relative sensitivity `q(z)`, the magnitude of `silu'(z)` and the
 /// absolute sensitivity `|z silu''(z)|` of `silu'` to a relative change of `z`.
 fn gate_parts(z: f64) -> [f64; 4] {
+    let (silu, q) = crate::magnitude::gate_parts(z);
     let s = 1.0 / (1.0 + (-z).exp());
-    let silu = (z * s).abs();
-    let q = (1.0 + z * (1.0 - s)).abs();
     let dmag = s * (1.0 + z.abs() * (1.0 - s));
     let d2 = (z * s * (1.0 - s) * (2.0 + z * (1.0 - 2.0 * s))).abs();
     [silu, q, dmag, d2]
@@ -251,14 +249,9 @@ pub fn gradient_magnitudes(
     dout: ArrayView4<f64>,
     dfinal_states: Option<ArrayView4<f64>>,
 ) -> Result<GradMagnitudes, ReferenceError> {
+    crate::adjoint::check_upstream(p, &dout, dfinal_states.as_ref())?;
     let d = *p.dims();
     let (bt, l, nh, hd, ng, ds) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
-    check_shape("dout", dout.shape(), &[bt, l, nh, hd])?;
-    check_finite("dout", &dout)?;
-    if let Some(f) = &dfinal_states {
-        check_shape("dfinal_states", f.shape(), &[bt, nh, hd, ds])?;
-        check_finite("dfinal_states", f)?;
-    }
     let i = p.inputs();
     let units: Vec<(usize, usize)> = (0..bt).flat_map(|b| (0..nh).map(move |h| (b, h))).collect();
     let lanes: Vec<Lane> = units

@@ -202,7 +202,7 @@ pub fn backward<T: Real>(
     dfinal_states: Option<ArrayView4<T>>,
     precision: MatmulPrecision,
 ) -> Result<ChunkedGradients<T>, ReferenceError> {
-    check_upstream(p, &dout, dfinal_states.as_ref())?;
+    crate::adjoint::check_upstream(p, &dout, dfinal_states.as_ref())?;
     let cumsum = chunk_cumsum(p);
     let chunk_states = fwd_pass_state(p, &cumsum, precision).chunk_states;
     let gate = bwd_gate(p, &cumsum, chunk_states.view(), dout, precision)?;
@@ -259,30 +259,6 @@ pub fn backward<T: Real>(
         ddA: dda.ddA,
         ddt_processed: ct.ddt_processed,
     })
-}
-
-/// The checks of [`crate::adjoint::backward`] on the upstream gradients, in its order.
-fn check_upstream<T: Real>(
-    p: &Problem<T>,
-    dout: &ArrayView4<T>,
-    dfinal_states: Option<&ArrayView4<T>>,
-) -> Result<(), ReferenceError> {
-    let d = *p.dims();
-    check_shape(
-        "dout",
-        dout.shape(),
-        &[d.batch, d.seqlen, d.nheads, d.headdim],
-    )?;
-    check_finite("dout", dout)?;
-    if let Some(f) = dfinal_states {
-        check_shape(
-            "dfinal_states",
-            f.shape(),
-            &[d.batch, d.nheads, d.headdim, d.dstate],
-        )?;
-        check_finite("dfinal_states", f)?;
-    }
-    Ok(())
 }
 
 /// Checks that `cumsum` has the shapes [`chunk_cumsum`] gives for `p`.

@@ -148,7 +148,7 @@ pub fn dt_sensitivity(p: &Problem<f64>, b: usize, t: usize, h: usize) -> f64 {
 
 /// `|silu(z)|` and the relative sensitivity `|z silu'(z) / silu(z)| = |1 + z (1 - sigmoid(z))|`
 /// of the gate to a relative change of `z`.
-fn gate_parts(z: f64) -> (f64, f64) {
+pub(crate) fn gate_parts(z: f64) -> (f64, f64) {
     let sig = 1.0 / (1.0 + (-z).exp());
     ((z * sig).abs(), (1.0 + z * (1.0 - sig)).abs())
 }

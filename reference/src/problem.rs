@@ -226,10 +226,21 @@ impl<T: Real> Problem<T> {
                 self.dims.seqlen
             )));
         }
+        let inputs = self.token_inputs(0..len);
+        let dims = Dims {
+            seqlen: len,
+            ..self.dims
+        };
+        Problem::new(dims, self.options, inputs)
+    }
+
+    /// The inputs of tokens `range` of every row (`seq_idx` sliced too; `initial_states` and
+    /// the per-head tensors as they are): a window's inputs, to validate as a problem.
+    pub(crate) fn token_inputs(&self, range: std::ops::Range<usize>) -> Inputs<T> {
         let i = &self.inputs;
-        let t = ndarray::Slice::from(0..len);
+        let t = ndarray::Slice::from(range);
         let cut4 = |a: &Array4<T>| a.slice_axis(Axis(1), t).to_owned();
-        let inputs = Inputs {
+        Inputs {
             x: cut4(&i.x),
             dt: i.dt.slice_axis(Axis(1), t).to_owned(),
             A: i.A.clone(),
@@ -243,12 +254,7 @@ impl<T: Real> Problem<T> {
                 .seq_idx
                 .as_ref()
                 .map(|s| s.slice_axis(Axis(1), t).to_owned()),
-        };
-        let dims = Dims {
-            seqlen: len,
-            ..self.dims
-        };
-        Problem::new(dims, self.options, inputs)
+        }
     }
 
     /// Converts every tensor to another float type (seq_idx is kept as is).

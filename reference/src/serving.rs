@@ -252,20 +252,10 @@ fn window<T: Real>(
     t1: usize,
     init: Option<Array4<T>>,
 ) -> Result<Problem<T>, ReferenceError> {
-    let i = p.inputs();
-    let t = ndarray::Slice::from(t0..t1);
-    let cut4 = |a: &Array4<T>| a.slice_axis(Axis(1), t).to_owned();
     let inputs = Inputs {
-        x: cut4(&i.x),
-        dt: i.dt.slice_axis(Axis(1), t).to_owned(),
-        A: i.A.clone(),
-        B: cut4(&i.B),
-        C: cut4(&i.C),
-        D: i.D.clone(),
-        z: i.z.as_ref().map(cut4),
-        dt_bias: i.dt_bias.clone(),
         initial_states: init,
         seq_idx: None,
+        ..p.token_inputs(t0..t1)
     };
     let dims = crate::Dims {
         seqlen: t1 - t0,

@@ -610,6 +610,19 @@ struct ChannelRefs<'a> {
     floor_scale: f64,
 }
 
+impl ChannelRefs<'_> {
+    /// `tok`, or `zero` broadcast to the tensor's shape (no allocation).
+    fn tok_or_zero<'z>(&'z self, zero: &'z ndarray::Array0<f64>) -> ndarray::ArrayViewD<'z, f64> {
+        match self.tok {
+            Some(t) => t.view(),
+            None => zero
+                .broadcast(self.mag.shape())
+                .expect("a 0-d array broadcasts to any shape")
+                .into_dyn(),
+        }
+    }
+}
+
 impl Oracle {
     /// Computes the float64 reference ([`reference_outputs`]) and the magnitudes of `p`.
     pub fn new(p: &Problem<f64>) -> Self {
@@ -735,6 +748,28 @@ impl Oracle {
         }
     }
 
+    /// Why a candidate tensor `name` of shape `shape` cannot be compared, if it cannot: the
+    /// oracle has no reference for it (a gradient of an input the problem lacks, a packed output
+    /// of an unpacked problem), or the shapes differ. One line, naming the tensor.
+    pub fn refusal(&self, name: OutputName, shape: &[usize]) -> Option<String> {
+        let Ok(want) = self.try_reference(name).map(|r| r.shape()) else {
+            return Some(match name.input() {
+                Some(input) => {
+                    format!(
+                        "`{name}` is the gradient of `{input}`, which the problem does not have"
+                    )
+                }
+                None => format!("the oracle has no reference for `{name}`"),
+            });
+        };
+        (shape != want).then(|| {
+            let of = name
+                .input()
+                .map_or(String::new(), |i| format!(" (the shape of `{i}`)"));
+            format!("`{name}` has shape {shape:?}, expected {want:?}{of}")
+        })
+    }
+
     /// The reference values of one output or gradient.
     ///
     /// # Panics
@@ -825,8 +860,8 @@ impl Oracle {
         let floor = u.eta * ch.floor_scale;
         let st = storage_rounding(storage);
         let reference = self.reference(name);
-        let zeros = ArrayD::<f64>::zeros(reference.shape());
-        let tok = ch.tok.unwrap_or(&zeros);
+        let zero = ndarray::arr0(0.0);
+        let tok = ch.tok_or_zero(&zero);
         let mut out = ArrayD::zeros(reference.shape());
         ndarray::Zip::from(&mut out)
             .and(reference)
@@ -897,12 +932,8 @@ impl Oracle {
         let st = storage_rounding(storage);
         let uh = precision.unit_roundoff();
         let shape = expected.shape().to_vec();
-        let zeros = ArrayD::<f64>::zeros(if ch.tok.is_some() {
-            &[][..]
-        } else {
-            expected.shape()
-        });
-        let tok = ch.tok.unwrap_or(&zeros);
+        let zero = ndarray::arr0(0.0);
+        let tok = ch.tok_or_zero(&zero);
 
         let mut max_abs = 0.0_f64;
         let (mut err2, mut ref2) = (0.0_f64, 0.0_f64);

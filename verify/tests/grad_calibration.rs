@@ -11,18 +11,18 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use common::grad_faults::{self, GradFault, Rounding};
+use common::stats::Stats;
 use ndarray::Array4;
 use rayon::prelude::*;
 use ssd_reference::adjoint::{self, Gradients};
 use ssd_reference::{chunked_backward, MatmulPrecision, Problem};
 use ssd_verify::fixture::Dtype;
-use ssd_verify::fuzz::{cases, FuzzCase, DEFAULT_SEED};
+use ssd_verify::fuzz::{cases, DEFAULT_SEED};
 use ssd_verify::suites::upstream_gradients;
-use ssd_verify::tolerance::{Oracle, Precision, Verdict};
+use ssd_verify::tolerance::{Oracle, Precision};
 
 /// A backward pass: the problem and upstream gradients in, the gradients and the dtype they
 /// were computed in out.
@@ -35,21 +35,6 @@ struct Path {
     run: Backward,
 }
 
-fn widen(g: Gradients<f32>) -> Gradients<f64> {
-    let w4 = |a: ndarray::Array4<f32>| a.mapv(f64::from);
-    Gradients {
-        dx: w4(g.dx),
-        ddt: g.ddt.mapv(f64::from),
-        dA: g.dA.mapv(f64::from),
-        dB: w4(g.dB),
-        dC: w4(g.dC),
-        dD: g.dD.map(|a| a.mapv(f64::from)),
-        dz: g.dz.map(w4),
-        ddt_bias: g.ddt_bias.map(|a| a.mapv(f64::from)),
-        dinitial_states: g.dinitial_states.map(w4),
-    }
-}
-
 fn adjoint_f32(
     p: &Problem<f64>,
     dout: &Array4<f64>,
@@ -58,7 +43,7 @@ fn adjoint_f32(
     let p32: Problem<f32> = p.cast();
     let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
     let g = adjoint::backward(&p32, o.view(), Some(f.view())).expect("shapes agree");
-    (widen(g), Dtype::F32)
+    (g.to_f64(), Dtype::F32)
 }
 
 /// The plain-loops chunked backward (`common::grad_faults`, no fault) in f32 with `rounding`.
@@ -71,7 +56,7 @@ fn loops_f32(
     let p32: Problem<f32> = p.cast();
     let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
     let g = grad_faults::backward(&p32, o.view(), Some(f.view()), GradFault::None, rounding);
-    (widen(g), Dtype::F32)
+    (g.to_f64(), Dtype::F32)
 }
 
 /// The reference's chunked backward (`ssd_reference::chunked_backward`) in f32.
@@ -85,7 +70,7 @@ fn chunked_f32(
     let (o, f) = (dout.mapv(|v| v as f32), dfin.mapv(|v| v as f32));
     let g = chunked_backward::backward(&p32, o.view(), Some(f.view()), precision)
         .expect("shapes agree");
-    (widen(g.grads), Dtype::F32)
+    (g.grads.to_f64(), Dtype::F32)
 }
 
 fn paths() -> Vec<Path> {
@@ -156,50 +141,6 @@ fn paths() -> Vec<Path> {
     ]
 }
 
-#[derive(Default)]
-struct Stats {
-    /// (label, gradient) -> (worst ratio, cases, failing cases, worst case)
-    worst: BTreeMap<(String, String), (f64, usize, usize, String)>,
-}
-
-impl Stats {
-    fn add(&mut self, label: &str, case: &FuzzCase, v: &Verdict) {
-        for t in &v.tensors {
-            let e = self
-                .worst
-                .entry((label.to_string(), t.name.to_string()))
-                .or_insert((0.0, 0, 0, String::new()));
-            e.1 += 1;
-            if !t.passed() {
-                e.2 += 1;
-            }
-            if t.max_ratio() >= e.0 {
-                e.0 = t.max_ratio();
-                e.3 = case.to_string();
-            }
-        }
-    }
-
-    fn print(&self) {
-        for ((label, name), (w, n, bad, case)) in &self.worst {
-            println!("{label:<44} {name:<16} worst {w:.3} over {n} cases, {bad} failing; worst at {case}");
-        }
-    }
-
-    fn failures(&self) -> Vec<String> {
-        self.worst
-            .iter()
-            .filter(|(_, v)| v.2 > 0)
-            .map(|((l, n), v)| {
-                format!(
-                    "{l} {n}: {} of {} cases over the bound (worst {:.3}, {})",
-                    v.2, v.1, v.0, v.3
-                )
-            })
-            .collect()
-    }
-}
-
 fn calibrate(n: usize, seed: u64) -> Stats {
     let stats = Mutex::new(Stats::default());
     let paths = paths();
@@ -213,7 +154,10 @@ fn calibrate(n: usize, seed: u64) -> Stats {
             let v = oracle
                 .check_gradients(&g, dtype, path.precision)
                 .expect("shapes agree");
-            stats.lock().unwrap().add(path.label, case, &v);
+            let mut s = stats.lock().unwrap();
+            for t in &v.tensors {
+                s.add(path.label, case, t);
+            }
         }
     });
     stats.into_inner().unwrap()
@@ -222,8 +166,7 @@ fn calibrate(n: usize, seed: u64) -> Stats {
 #[test]
 fn grad_calibration_quick() {
     let s = calibrate(48, DEFAULT_SEED);
-    s.print();
-    let f = s.failures();
+    let f = s.report();
     assert!(f.is_empty(), "false alarms:\n{}", f.join("\n"));
 }
 
@@ -235,7 +178,6 @@ fn grad_calibration_10k() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);
     let s = calibrate(n, DEFAULT_SEED);
-    s.print();
-    let f = s.failures();
+    let f = s.report();
     assert!(f.is_empty(), "false alarms:\n{}", f.join("\n"));
 }

@@ -9,16 +9,19 @@
 //! CALIBRATION_CASES=10000 cargo test -p ssd-verify --release --test packed_calibration -- --ignored --nocapture
 //! ```
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::sync::Mutex;
+
+use common::stats::Stats;
 
 use ndarray::{Array4, ArrayD};
 use rayon::prelude::*;
 use ssd_reference::serving::{forward, Algorithm, Packing, ServingOutput};
 use ssd_reference::{MatmulPrecision, Options, Problem};
 use ssd_verify::fixture::Dtype;
-use ssd_verify::fuzz::{case_count, packed_cases, PackedCase, DEFAULT_CAP, DEFAULT_SEED};
-use ssd_verify::tolerance::{Oracle, OutputName, Precision, TensorReport};
+use ssd_verify::fuzz::{case_count, packed_cases, DEFAULT_CAP, DEFAULT_SEED};
+use ssd_verify::tolerance::{Oracle, OutputName, Precision};
 
 fn widen(o: ServingOutput<f32>) -> [ArrayD<f64>; 4] {
     let w = |a: Array4<f32>| a.mapv(f64::from).into_dyn();
@@ -108,42 +111,6 @@ fn paths() -> Vec<Path> {
     ]
 }
 
-#[derive(Default)]
-struct Stats {
-    /// (label, tensor) -> (worst ratio, cases, failing cases, worst case)
-    worst: BTreeMap<(String, String), (f64, usize, usize, String)>,
-}
-
-impl Stats {
-    fn add(&mut self, label: &str, case: &PackedCase, t: &TensorReport) {
-        let e = self
-            .worst
-            .entry((label.to_string(), t.name.to_string()))
-            .or_insert((0.0, 0, 0, String::new()));
-        e.1 += 1;
-        if !t.passed() {
-            e.2 += 1;
-        }
-        if t.max_ratio() >= e.0 {
-            e.0 = t.max_ratio();
-            e.3 = case.to_string();
-        }
-    }
-
-    fn report(&self) -> Vec<String> {
-        let mut bad = Vec::new();
-        for ((label, name), (w, n, f, case)) in &self.worst {
-            println!("{label:<52} {name:<16} worst {w:.3} over {n} cases, {f} failing");
-            if *f > 0 {
-                bad.push(format!(
-                    "{label} {name}: {f} of {n} over the bound (worst {w:.3} at {case})"
-                ));
-            }
-        }
-        bad
-    }
-}
-
 fn calibrate(n: usize, seed: u64) -> Stats {
     let stats = Mutex::new(Stats::default());
     let paths = paths();
@@ -166,12 +133,8 @@ fn calibrate(n: usize, seed: u64) -> Stats {
 
 #[test]
 fn packed_calibration_quick() {
-    let bad = calibrate(case_count().min(96), DEFAULT_SEED ^ 0x9ac4);
-    assert!(
-        bad.report().is_empty(),
-        "false alarms:\n{}",
-        bad.report().join("\n")
-    );
+    let bad = calibrate(case_count().min(96), DEFAULT_SEED ^ 0x9ac4).report();
+    assert!(bad.is_empty(), "false alarms:\n{}", bad.join("\n"));
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 pub mod faults;
 pub mod grad_faults;
+pub mod stats;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
