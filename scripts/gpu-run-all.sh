@@ -5,7 +5,7 @@
 #    reference, fixtures, reproducibility, refusals;
 # 2. compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the fixed sanitizer
 #    shapes (ragged seqlen, seq_idx, ngroups > 1, every option, dstate 256, chunk 256 and the
-#    largest chunk size);
+#    largest chunk size) and the fixed packed (serving) shapes;
 # 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, when the CLI has it;
 # 4. the Python package's pytest suite (when the bundle has its wheel), mamba_ssm's Triton forward
 #    checked in-process among it;
@@ -63,7 +63,7 @@ if command -v compute-sanitizer >/dev/null; then
     step "sanitizer-$tool" 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
       compute-sanitizer --tool "$tool" --error-exitcode 99 \
       bin/cargo-nextest nextest run --archive-file tests.tar.zst --workspace-remap workspace \
-      --no-capture -E 'binary_id(ssd-verify::gpu_fuzz) & test(=gpu_sanitizer_shapes)'
+      --no-capture -E '(binary_id(ssd-verify::gpu_fuzz) & test(=gpu_sanitizer_shapes)) | (binary_id(ssd-verify::gpu_packed) & test(=gpu_packed_sanitizer_shapes))'
   done
 else
   rows+=("compute-sanitizer          MISSING")
@@ -103,7 +103,7 @@ if [ $bench = 1 ]; then
   for b in bin/bench-*; do
     [ -x "$b" ] || continue
     step "$(basename "$b")" 'BENCH_JSON|skipped' "$b" --reps 30
-    step triton-table '^\| \(|ceilings|unavailable' env PYTHONPATH="$here/anchors${PYTHONPATH:+:$PYTHONPATH}" \
+    step triton-table '^\| \(|^\| 64|ceilings|unavailable' env PYTHONPATH="$here/anchors:$here/anchors/vllm_pkg${PYTHONPATH:+:$PYTHONPATH}" \
       python3 gpu_bench_table.py "$logs/all/$(basename "$b").log"
   done
 fi
@@ -112,10 +112,10 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible):? .*' "$logs"/all/test-*.log 2>/dev/null
+grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 if [ -f "$logs/all/triton-table.log" ]; then
-  grep -E '^\||ceilings|^Triton' "$logs/all/triton-table.log"
+  grep -E '^\||ceilings|^Triton|^Serving' "$logs/all/triton-table.log"
 fi
 # The exit status: 1 when any step failed, 0 otherwise.
 for r in "${rows[@]}"; do

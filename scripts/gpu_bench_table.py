@@ -8,6 +8,11 @@ Usage: gpu_bench_table.py OUR_BENCH_LOG [--rounds N]   (the log of `cargo bench 
 mamba_ssm's Triton kernels on PYTHONPATH (the repository's `.anchors/` laid out by
 fetch-mamba-ssm, or `pip install mamba-ssm`). Without them it prints our timings alone.
 
+The serving shape (SERVING_JSON lines: 64 requests packed into one row) is timed against
+mamba_ssm's forward with cu_seqlens, seq_idx and return_varlen_states (no per-request initial
+states: mamba_ssm has none) and, with one initial state per request, against vLLM's
+mamba_chunk_scan_combined_varlen (when importable), in this process.
+
 Triton is timed in N separate processes (default 3), one after the other: mamba_ssm's kernels
 pick their launch configurations by autotuning once per process (one process of three took
 0.893 ms where the other two took 0.690 ms at (4, 16384, 8)). The table takes the fastest
@@ -30,11 +35,14 @@ if "--rounds" in args:
 positional = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--rounds")]
 
 ours = {}
+serving = []  # the serving shape's lines (SERVING_JSON), without and with per-request states
 if positional:
     for line in open(positional[0]):
         if line.startswith("BENCH_JSON "):
             j = json.loads(line[len("BENCH_JSON "):])
             ours[tuple(j["shape"])] = j
+        if line.startswith("SERVING_JSON "):
+            serving.append(json.loads(line[len("SERVING_JSON "):]))
 
 SHAPES = [(4, 4096, 80, 64, 128, 1, 256), (8, 8192, 80, 64, 128, 1, 256), (8, 2048, 24, 64, 128, 1, 256),
           (4, 16384, 8, 64, 128, 1, 128), (4, 65536, 8, 64, 256, 1, 128)]
@@ -138,3 +146,68 @@ for shape, tris, o, floor in rows:
     gbs = o["min_bytes"] / (t * 1e-3) / 1e9
     print(f"| {shape} | fp32 | {t:.3f} | {best:.3f} ({worst:.3f}) | {best / t:.2f}x ({worst / t:.2f}x) | {gbs:.0f} "
           f"| {100 * floor / t:.0f}% | {share} |")
+
+
+def time_serving(j):
+    """(anchor name, ms) for the serving line j: mamba_ssm without per-request states, vLLM's
+    varlen kernel with them."""
+    lens = j["lens"]
+    _, L, H, P, N, G, Q = j["shape"]
+    x, dt, A, B, C, D, _ = inputs(1, L, H, P, N, G)
+    cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)), dtype=torch.int32, device=dev)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32, device=dev),
+                                      torch.tensor(lens, device=dev))[None]
+    if not j["per_request_states"]:
+        def run():
+            return mamba_chunk_scan_combined(x, dt, A, B, C, Q, D=D, seq_idx=seq_idx, cu_seqlens=cu,
+                                             return_final_states=True, return_varlen_states=True)
+        name = "mamba_ssm"
+    else:
+        try:
+            from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        except Exception as e:  # noqa: BLE001
+            return f"vLLM unavailable ({type(e).__name__})", None
+        cu_chunks, chunk_seq, last = [0], [], []
+        for i, ln in enumerate(lens):
+            k = 0
+            while k < ln:
+                step = min(Q, ln - k)
+                cu_chunks.append(cu_chunks[-1] + step)
+                chunk_seq.append(i)
+                k += step
+            last.append(len(chunk_seq) - 1)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        s0 = torch.rand(len(lens), H, P, N, device=dev, generator=gen) * 2 - 1
+        out = torch.empty(L, H, P, device=dev)
+        buf = torch.empty(len(lens), H, P, N, device=dev)
+        t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+        cu_c, last_c, seq_c = t32(cu_chunks), t32(last), t32(chunk_seq)
+        idx = torch.arange(len(lens), device=dev, dtype=torch.int32)
+
+        def run():
+            mamba_chunk_scan_combined_varlen(
+                x[0], dt[0], A, B[0], C[0], Q, cu, cu_c, last_c, seq_c, out, D=D, initial_states=s0,
+                state_dtype=torch.float32, final_states_out=buf, final_state_indices=idx)
+        name = "vLLM varlen"
+    with torch.no_grad():
+        ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+    torch.cuda.empty_cache()
+    return name, ms
+
+
+if serving:
+    print()
+    print("Serving shape: 64 requests packed into one row (one process's median each)")
+    print("| requests, tokens (H, P, N, Q) | initial state per request | ours ms | anchor | anchor ms | speedup | GB/s (minimal bytes) | % of floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for j in serving:
+        _, L, H, P, N, G, Q = j["shape"]
+        nc = -(-L // Q)
+        flops = H * nc * (Q * Q * (N + P)) + H * L * 4 * P * N
+        floor_ms = max(j["min_bytes"] / copy_bw, flops / tf32_rate) * 1e3
+        t = j["ours_ms"]
+        name, ms = time_serving(j)
+        gbs = j["min_bytes"] / (t * 1e-3) / 1e9
+        anchor = f"{ms:.3f} | {ms / t:.2f}x" if ms is not None else "- | -"
+        print(f"| {len(j['lens'])}, {L} ({H}, {P}, {N}, {Q}) | {'yes' if j['per_request_states'] else 'no'} | {t:.3f} "
+              f"| {name} | {anchor} | {gbs:.0f} | {100 * floor_ms / t:.0f}% |")

@@ -4,15 +4,21 @@
 //! already activated, D per head, initial states in, final states out). Also each stage's
 //! share. Prints a table and one `BENCH_JSON {...}` line per shape for scripts.
 //!
+//! Then the serving shape: 64 requests of 19 to 3,982 tokens (64,783 in all) packed into one row
+//! at the 2.7B layer's sizes, through the packed path (`Gpu::forward_packed_into`: `out`, the
+//! final state and every request's final state), without and with one initial state per
+//! request; one `SERVING_JSON {...}` line each, with the lengths, for scripts.
+//!
 //! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
-//! alone, from 0, e.g. under a profiler). `SSD_GPU_V1=1` or `SSD_GPU_PAIR=0` in the environment
+//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1` or `SSD_GPU_PAIR=0` in the environment
 //! times another variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
 use std::sync::Arc;
 
 use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
 use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError};
-use ssd_reference::random::{random_problem, DSkip, ProblemSpec};
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SpecRng};
+use ssd_reference::serving::Packing;
 use ssd_reference::{Dims, Options};
 
 /// (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
@@ -116,6 +122,98 @@ fn bench(
     ))
 }
 
+/// The serving shape's request lengths: 16 * 256^(((i + 0.5) / 64)^0.65) tokens for i < 64
+/// (19 to 3,982, 64,783 in all), in a seeded shuffled order.
+fn serving_lengths() -> Vec<usize> {
+    let mut lens: Vec<usize> = (0..64)
+        .map(|i| (16.0 * 256f64.powf(((i as f64 + 0.5) / 64.0).powf(0.65))).round() as usize)
+        .collect();
+    let mut rng = SpecRng::new(64);
+    for i in (1..lens.len()).rev() {
+        lens.swap(i, rng.range(0, i));
+    }
+    lens
+}
+
+/// The serving shape (nheads 80, headdim 64, dstate 128, ngroups 1, chunk 256), through the
+/// packed path, with one initial state per request or none.
+fn bench_serving(gpu: &Gpu, reps: usize, per_request_states: bool) -> Result<String, GpuError> {
+    let lens = serving_lengths();
+    let total: usize = lens.iter().sum();
+    let (nheads, headdim, dstate, chunk) = (80, 64, 128, 256);
+    let dims = Dims::new(1, total, nheads, headdim, 1, dstate);
+    let options = Options {
+        chunk_size: chunk,
+        dt_softplus: false,
+        dt_limit: (0.0, f64::INFINITY),
+    };
+    let spec = ProblemSpec {
+        options,
+        d: DSkip::PerHead,
+        ..ProblemSpec::plain(dims)
+    };
+    let mut cu = vec![0usize];
+    for l in &lens {
+        cu.push(cu.last().copied().unwrap_or(0) + l);
+    }
+    let nseq = lens.len();
+    let state = nheads * headdim * dstate;
+    let mut packing = Packing::<f32>::new(cu);
+    if per_request_states {
+        let mut rng = SpecRng::new(7);
+        packing.seq_initial_states = Some(ndarray::Array4::from_shape_fn(
+            (nseq, nheads, headdim, dstate),
+            |_| (2.0 * rng.unit() - 1.0) as f32,
+        ));
+    }
+    let sets = 2;
+    let mut ins = Vec::new();
+    for k in 0..sets {
+        let p = random_problem(&spec, 2000 + k as u64)
+            .map_err(|e| GpuError::Unsupported(format!("random problem: {e}")))?;
+        ins.push(gpu.upload_packed(&p.cast::<f32>(), &packing)?);
+    }
+    let mut outs = gpu.alloc_outputs(&dims, &options)?;
+    let mut serving = gpu.alloc_serving_outputs(&ins[0].1)?;
+    for k in 0..3 {
+        let (i, k) = &ins[k % sets];
+        gpu.forward_packed_into(i, k, &mut outs, &mut serving)?;
+    }
+    gpu.synchronize()?;
+    let ev = Events::new(gpu.stream(), 2)?;
+    let stream = gpu.stream();
+    let mut total_ms = Vec::new();
+    for r in 0..reps {
+        let (i, k) = &ins[r % sets];
+        ev.marks[0].record(stream)?;
+        gpu.forward_packed_into(i, k, &mut outs, &mut serving)?;
+        ev.marks[1].record(stream)?;
+        total_ms.push(ev.marks[0].elapsed_ms(&ev.marks[1])?);
+    }
+    let t = median(total_ms);
+    // Minimal bytes: read x, dt, B, C (and the initial states), write out and the states.
+    let f = 4.0;
+    let states = if per_request_states {
+        2 * nseq + 1
+    } else {
+        nseq + 1
+    };
+    let bytes = f
+        * (2.0 * (total * nheads * headdim) as f64
+            + (total * nheads) as f64
+            + 2.0 * (total * dstate) as f64
+            + (states * state) as f64);
+    println!(
+        "serving: {nseq} requests, {total} tokens, H {nheads} P {headdim} N {dstate} Q {chunk}, initial states per request {per_request_states} | ours {t:>8.3} ms | {:>6.0} GB/s of minimal bytes",
+        bytes / (t * 1e-3) / 1e9
+    );
+    let lens_json: Vec<String> = lens.iter().map(|l| l.to_string()).collect();
+    Ok(format!(
+        "{{\"lens\":[{}],\"shape\":[1,{total},{nheads},{headdim},{dstate},1,{chunk}],\"per_request_states\":{per_request_states},\"ours_ms\":{t:.4},\"min_bytes\":{bytes:.0},\"reps\":{reps}}}",
+        lens_json.join(",")
+    ))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let reps = args
@@ -168,5 +266,13 @@ fn main() {
     }
     for j in json {
         println!("BENCH_JSON {j}");
+    }
+    if only.is_none_or(|o| o == SHAPES.len()) {
+        for per_request_states in [false, true] {
+            match bench_serving(&gpu, reps, per_request_states) {
+                Ok(j) => println!("SERVING_JSON {j}"),
+                Err(e) => println!("serving shape: {e}"),
+            }
+        }
     }
 }

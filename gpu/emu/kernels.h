@@ -14,3 +14,4 @@
 #include "../kernels/compute_out/scores.cu"
 #include "../kernels/compute_out/tiled.cu"
 #include "../kernels/compute_out/pair.cu"
+#include "../kernels/serving.cu"

@@ -1,5 +1,6 @@
 //! Stage 2 on the GPU: the state entering every chunk, and the final state.
 
+use cudarc::driver::CudaSlice;
 use ssd_reference::Dims;
 
 use crate::kernels::Kernel;
@@ -32,6 +33,18 @@ impl Gpu {
     pub fn fwd_pass_state(
         &self,
         inputs: &DeviceInputs,
+        outputs: &mut DeviceOutputs,
+    ) -> Result<(), GpuError> {
+        self.fwd_pass_state_with(inputs, None, outputs)
+    }
+
+    /// [`Gpu::fwd_pass_state`], with packed sequences' initial states taken in where `seq`
+    /// is given (`crate::DevicePacking`): `(seq_init [nseq, nheads, headdim, dstate],
+    /// chunk_init [nchunks, 2])`, both checked by the caller against the sizes.
+    pub(crate) fn fwd_pass_state_with(
+        &self,
+        inputs: &DeviceInputs,
+        seq: Option<(&CudaSlice<f32>, &CudaSlice<i32>)>,
         outputs: &mut DeviceOutputs,
     ) -> Result<(), GpuError> {
         self.check_buffers(inputs, outputs)?;
@@ -120,6 +133,8 @@ impl Gpu {
                 chunk_size: int(o.chunk_size),
                 nchunks: int(nchunks),
                 vec4: i32::from(vec4),
+                seq_init: seq.map_or(0, |(s, _)| args.read(s)),
+                chunk_init: seq.map_or(0, |(_, c)| args.read(c)),
             };
             // SAFETY: `StatePassingParams` is the struct of `ssd_state_passing`
             // (kernels/fwd_pass_state/passing.cu); buffers checked against the sizes; grid x <=
@@ -140,6 +155,8 @@ impl Gpu {
             chunk_states: args.write(&mut outputs.chunk_states),
             final_states: args.write(&mut outputs.final_states),
             sizes,
+            seq_init: seq.map_or(0, |(s, _)| args.read(s)),
+            chunk_init: seq.map_or(0, |(_, c)| args.read(c)),
         };
         let grid = (tiles as u32, d.nheads as u32, d.batch as u32);
         // SAFETY: `FwdPassStateParams` is the struct of `ssd_fwd_pass_state`

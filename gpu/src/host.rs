@@ -154,3 +154,30 @@ pub fn gpu_for(config: GpuConfig) -> Result<Arc<Gpu>, GpuError> {
 pub fn forward(problem: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
     default_gpu()?.forward(problem)
 }
+
+/// A packed (serving) problem on device 0: `out`, `final_states`, `varlen_states` and
+/// `position_states`, as [`ssd_reference::serving::forward`] returns them.
+///
+/// # Errors
+/// As [`forward`]; [`GpuError::Unsupported`] also for an invalid packing.
+///
+/// # Example
+/// ```no_run
+/// use ssd_reference::random::{random_problem, ProblemSpec};
+/// use ssd_reference::serving::Packing;
+/// use ssd_reference::Dims;
+///
+/// // Two sequences of 5 and 7 tokens, packed; the state after token 2 too.
+/// let p = random_problem(&ProblemSpec::plain(Dims::new(1, 12, 2, 3, 1, 4)), 1).unwrap();
+/// let mut packing = Packing::<f32>::new(vec![0, 5, 12]);
+/// packing.state_positions = vec![2];
+/// let o = ssd_gpu::forward_packed(&p.cast::<f32>(), &packing)?;
+/// assert_eq!(o.varlen_states.shape(), &[2, 2, 3, 4]);
+/// # Ok::<(), ssd_gpu::GpuError>(())
+/// ```
+pub fn forward_packed(
+    problem: &Problem<f32>,
+    packing: &ssd_reference::serving::Packing<f32>,
+) -> Result<ssd_reference::serving::ServingOutput<f32>, GpuError> {
+    default_gpu()?.forward_packed(problem, packing)
+}

@@ -36,6 +36,7 @@ sources!(
     "compute_out/scores.cu",
     "compute_out/tiled.cu",
     "compute_out/pair.cu",
+    "serving.cu",
 );
 
 /// Every kernel of [`SOURCE`], once: its entry point, the threads of its blocks and its
@@ -67,12 +68,16 @@ pub enum Kernel {
     FwdPassState,
     /// Stage 3 in one kernel that computes its own scores (version 1; other chunk sizes).
     ComputeOut,
+    /// Packed sequences: each initial state's share of `out` in its sequence's first chunk.
+    SeqInitOut,
+    /// Packed sequences: the states after listed tokens.
+    StatesAt,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 12] = [
+    pub const ALL: [Kernel; 14] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -85,6 +90,8 @@ impl Kernel {
         Kernel::ComputeOutPair,
         Kernel::FwdPassState,
         Kernel::ComputeOut,
+        Kernel::SeqInitOut,
+        Kernel::StatesAt,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -102,6 +109,8 @@ impl Kernel {
             Kernel::ComputeOutCb => "ssd_compute_out_cb",
             Kernel::ComputeOutCb128 => "ssd_compute_out_cb128",
             Kernel::ComputeOutPair => "ssd_compute_out_pair",
+            Kernel::SeqInitOut => "ssd_seq_init_out",
+            Kernel::StatesAt => "ssd_states_at",
         }
     }
 
@@ -119,7 +128,9 @@ impl Kernel {
             | Kernel::ChunkStateLocalPair
             | Kernel::StatePassing
             | Kernel::ComputeOutCb128
-            | Kernel::ComputeOutPair => 256,
+            | Kernel::ComputeOutPair
+            | Kernel::SeqInitOut
+            | Kernel::StatesAt => 256,
         }
     }
 
@@ -139,6 +150,8 @@ impl Kernel {
             Kernel::ComputeOutCb | Kernel::ComputeOutCb128 | Kernel::ComputeOutPair => {
                 size_of::<ComputeOutCbParams>()
             }
+            Kernel::SeqInitOut => size_of::<SeqInitOutParams>(),
+            Kernel::StatesAt => size_of::<StatesAtParams>(),
         }
     }
 

@@ -16,6 +16,10 @@
 //! [`Variant::V1`] (one kernel per stage) and [`Variant::V2Unpaired`] are kept for comparison:
 //! pass a [`GpuConfig`] to [`Gpu::with_config`]. Nothing in this crate reads the environment.
 //!
+//! Packed sequences (serving: `cu_seqlens`, one initial state per sequence, each sequence's
+//! final state, states at listed tokens) run through the same stages plus two small kernels:
+//! [`forward_packed`], or [`Gpu::upload_packed`] and [`Gpu::forward_packed_into`].
+//!
 //! Two ways in:
 //! - host side: [`forward`] (or [`Gpu::forward`]) takes a validated
 //!   [`ssd_reference::Problem<f32>`] and returns a [`ssd_reference::ChunkedOutput<f32>`];
@@ -40,10 +44,12 @@ mod host;
 pub mod kernels;
 mod params;
 mod runtime;
+mod serving;
 mod shape;
 
 pub use error::GpuError;
-pub use host::{default_gpu, forward, gpu_for};
+pub use host::{default_gpu, forward, forward_packed, gpu_for};
 pub use kernels::Kernel;
 pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, Variant};
+pub use serving::{DevicePacking, DeviceServingOutputs};
 pub use shape::{check as check_shape, seq_idx_to_i32, Lengths, MAX_CHUNK_SIZE, MAX_DSTATE};

@@ -41,6 +41,10 @@ pub(crate) struct FwdPassStateParams {
     pub chunk_states: u64,
     pub final_states: u64,
     pub sizes: StateSizes,
+    /// Packed sequences (batch 1): `[nseq, nheads, headdim, dstate]`, or 0.
+    pub seq_init: u64,
+    /// `[nchunks, 2]` `(k or -1, first token of k in the chunk)`, or 0.
+    pub chunk_init: u64,
 }
 
 /// The sizes every stage-2 and stage-3 kernel takes, in this order.
@@ -86,6 +90,10 @@ pub(crate) struct StatePassingParams {
     pub chunk_size: i32,
     pub nchunks: i32,
     pub vec4: i32,
+    /// Packed sequences (batch 1): `[nseq, nheads, headdim, dstate]`, or 0.
+    pub seq_init: u64,
+    /// `[nchunks, 2]` `(k or -1, first token of k in the chunk)`, or 0.
+    pub chunk_init: u64,
 }
 
 /// `ssd_chunk_cb` (`compute_out/scores.cu`).
@@ -145,6 +153,36 @@ pub(crate) struct ComputeOutCbParams {
     pub vec: i32,
 }
 
+/// `ssd_seq_init_out` (`serving.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SeqInitOutParams {
+    pub c: u64,
+    pub z: u64,
+    pub da_cumsum: u64,
+    pub seq_init: u64,
+    pub ranges: u64,
+    pub out: u64,
+    pub sizes: StateSizes,
+    pub nranges: i32,
+}
+
+/// `ssd_states_at` (`serving.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StatesAtParams {
+    pub x: u64,
+    pub b: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub chunk_states: u64,
+    pub init: u64,
+    pub targets: u64,
+    pub states: u64,
+    pub sizes: StateSizes,
+    pub ntargets: i32,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
 // sizes are asserted below, in the C source and against the loaded module).
 unsafe impl DeviceRepr for ChunkCumsumParams {}
@@ -160,15 +198,21 @@ unsafe impl DeviceRepr for ChunkCbParams {}
 unsafe impl DeviceRepr for ComputeOutParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for ComputeOutCbParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for SeqInitOutParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for StatesAtParams {}
 
 const _: () = {
     use std::mem::size_of;
     // The same numbers as the `static_assert`s of the C structs.
     assert!(size_of::<ChunkCumsumParams>() == 80);
-    assert!(size_of::<FwdPassStateParams>() == 96);
+    assert!(size_of::<FwdPassStateParams>() == 112);
     assert!(size_of::<ChunkStateLocalParams>() == 80);
-    assert!(size_of::<StatePassingParams>() == 72);
+    assert!(size_of::<StatePassingParams>() == 88);
     assert!(size_of::<ChunkCbParams>() == 56);
     assert!(size_of::<ComputeOutParams>() == 120);
     assert!(size_of::<ComputeOutCbParams>() == 128);
+    assert!(size_of::<SeqInitOutParams>() == 80);
+    assert!(size_of::<StatesAtParams>() == 96);
 };

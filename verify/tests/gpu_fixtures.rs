@@ -44,6 +44,11 @@ fn manifests(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Whether the case at `path` is a packed (serving) one.
+fn is_packed(path: &Path) -> bool {
+    ssd_verify::fixture::read_case(path).is_ok_and(|l| l.case.packing.is_some())
+}
+
 #[test]
 fn gpu_passes_every_fixture() {
     let Some(gpus) = gpus_or_skip("gpu_passes_every_fixture") else {
@@ -53,10 +58,10 @@ fn gpu_passes_every_fixture() {
         println!("gpu_passes_every_fixture: no fixtures folder found (set SSD_FIXTURES_DIR)");
         return;
     };
-    // Packed (serving) cases have no GPU path yet.
+    // Packed (serving) cases: `gpu_passes_every_serving_fixture`.
     let cases: Vec<PathBuf> = manifests(&dir)
         .into_iter()
-        .filter(|p| !p.starts_with(dir.join("serving")))
+        .filter(|p| !is_packed(p))
         .collect();
     println!("fixtures: {} cases under {}", cases.len(), dir.display());
     let mut failures = Vec::new();
@@ -102,6 +107,88 @@ fn gpu_passes_every_fixture() {
             worst[2],
             worst[3],
             failures.len()
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The packed (serving) fixtures through the packed path, every variant: `out`,
+/// `final_states`, `varlen_states` and `position_states` against the float64 reference within
+/// the TF32 bound.
+#[test]
+fn gpu_passes_every_serving_fixture() {
+    let Some(gpus) = gpus_or_skip("gpu_passes_every_serving_fixture") else {
+        return;
+    };
+    let Some(dir) = fixtures_dir() else {
+        println!(
+            "gpu_passes_every_serving_fixture: no fixtures folder found (set SSD_FIXTURES_DIR)"
+        );
+        return;
+    };
+    let cases: Vec<PathBuf> = manifests(&dir)
+        .into_iter()
+        .filter(|p| is_packed(p))
+        .collect();
+    assert!(
+        !cases.is_empty(),
+        "no packed fixture under {}",
+        dir.display()
+    );
+    let names = [
+        OutputName::Out,
+        OutputName::FinalStates,
+        OutputName::VarlenStates,
+        OutputName::PositionStates,
+    ];
+    let mut failures = Vec::new();
+    for (variant, gpu) in &gpus {
+        let label = variant_label("serving fixtures", *variant);
+        let mut worst = [0.0f64; 4];
+        for path in &cases {
+            let case = ssd_verify::fixture::read_case(path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+                .case;
+            let packing = case.packing.as_ref().expect("packed");
+            let (p32, p64) = as_f32_problem(&case.problem);
+            let k32 = packing.cast::<f32>();
+            let oracle = Oracle::for_packed(&p64, &k32.cast::<f64>()).expect("valid packing");
+            let o = gpu
+                .forward_packed(&p32, &k32)
+                .unwrap_or_else(|e| panic!("{label}: {}: {e}", path.display()));
+            let got = [
+                &o.out,
+                &o.final_states,
+                &o.varlen_states,
+                &o.position_states,
+            ];
+            for (k, (name, t)) in names.into_iter().zip(got).enumerate() {
+                let r = oracle
+                    .compare(
+                        name,
+                        &t.mapv(f64::from).into_dyn(),
+                        ssd_verify::fixture::Dtype::F32,
+                        Precision::Tf32,
+                    )
+                    .expect("shapes agree");
+                worst[k] = worst[k].max(r.max_ratio());
+                if !r.passed() {
+                    failures.push(format!(
+                        "{label}: {}: {} worst error/bound {:.3}",
+                        path.display(),
+                        name.name(),
+                        r.max_ratio()
+                    ));
+                }
+            }
+        }
+        println!(
+            "{label}: {} cases, worst error/bound out {:.3} final_states {:.3} varlen_states {:.3} position_states {:.3}",
+            cases.len(),
+            worst[0],
+            worst[1],
+            worst[2],
+            worst[3]
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

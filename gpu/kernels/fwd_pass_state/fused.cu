@@ -13,6 +13,10 @@
 // and seq(.) = 0 everywhere without seq_idx. The sum is one TF32 matrix product per chunk:
 // (x^T)[p, l] times (w B)[l, n], operands rounded to TF32, accumulated in f32 onto scale * S.
 // After the last chunk, final_states[b, h, p, n] = S.
+// Packed sequences with one initial state each (batch 1): where chunk_init[c] = (k, s), k >= 0,
+// the sequence of the chunk's last token starts at its token s from seq_init[k], and
+//   S <- exp(cs[last] - cs[s - 1]) * seq_init[k, h] + sum_{l >= s} ...   (cs[-1] = 0)
+// instead of scale * S (which is 0 there: the sequence changed, or S is 0 before chunk 0).
 
 __device__ __forceinline__ void fwd_pass_state_body(
     const float* __restrict__ x,               // [batch, seqlen, nheads, headdim]
@@ -23,7 +27,8 @@ __device__ __forceinline__ void fwd_pass_state_body(
     const int* __restrict__ seq_idx,           // [batch, seqlen] or null
     float* __restrict__ chunk_states,          // [batch, nchunks, nheads, headdim, dstate]
     float* __restrict__ final_states,          // [batch, nheads, headdim, dstate]
-    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
+    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks,
+    const float* __restrict__ seq_init, const int* __restrict__ chunk_init)
 {
     __shared__ __align__(16) float xs[ST_TK * ST_STRIDE];   // [token][p]
     __shared__ __align__(16) float bs[ST_TK * ST_STRIDE];   // [token][n], times w
@@ -88,10 +93,25 @@ __device__ __forceinline__ void fwd_pass_state_body(
             seq_prev = c == 0 ? 0 : seq_idx[(i64)b * seqlen + t0 - 1];
         }
         const float scale = seq_last == seq_prev ? expf(cs_last) : 0.0f;
+        if (chunk_init != nullptr && chunk_init[2 * c] >= 0) {
+            const int s = chunk_init[2 * c + 1];
+            const float decay = expf(cs_last - (s > 0 ? dA_cumsum[cb + s - 1] : 0.0f));
+            const float* init = seq_init + ((i64)chunk_init[2 * c] * nheads + h) * headdim * dstate;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
+                for (int e = 0; e < 4; ++e) {
+                    int pr = pr0 + ((e & 2) ? 8 : 0);
+                    int nc = j * 8 + 2 * q + (e & 1);
+                    acc[j][e] = pr < rows_p && nc < cols_n ? decay * init[(i64)(p0 + pr) * dstate + n0 + nc] : 0.0f;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
+            }
         }
 
         for (int k0 = 0; k0 <= last; k0 += ST_TK) {
@@ -143,13 +163,15 @@ struct FwdPassStateParams {
     float* chunk_states;          // [batch, nchunks, nheads, headdim, dstate]
     float* final_states;          // [batch, nheads, headdim, dstate]
     int seqlen, nheads, headdim, ngroups, dstate, chunk_size, nchunks;
+    const float* seq_init;        // [nseq, nheads, headdim, dstate] or null (packed, batch 1)
+    const int* chunk_init;        // [nchunks, 2]: (k or -1, first token of k in the chunk) or null
 };
-static_assert(sizeof(FwdPassStateParams) == 96, "FwdPassStateParams: the Rust struct has 96 bytes");
+static_assert(sizeof(FwdPassStateParams) == 112, "FwdPassStateParams: the Rust struct has 112 bytes");
 
 extern "C" __global__ void __launch_bounds__(ST_THREADS) ssd_fwd_pass_state(const FwdPassStateParams p) {
     fwd_pass_state_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states,
                         p.final_states, p.seqlen, p.nheads, p.headdim, p.ngroups, p.dstate, p.chunk_size,
-                        p.nchunks);
+                        p.nchunks, p.seq_init, p.chunk_init);
 }
 // Static shared memory only.
 SSD_LAYOUT_FIXED(ssd_fwd_pass_state, FwdPassStateParams, 0);

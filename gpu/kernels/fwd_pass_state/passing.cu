@@ -6,6 +6,10 @@
 //   scale_c = exp(cs[last_c]) if seq(last_c) == seq(last_{c-1}) (seq(last_{-1}) = 0), else 0,
 // the same fused multiply-add, in the same order, as the CPU reference's state passing. The
 // loads of 8 chunks are issued before their chain is walked.
+// Packed sequences with one initial state each (serving, batch 1; docs/gpu.md): where
+// chunk_init[c] = (k, s) with k >= 0, the sequence of the chunk's last token starts at the chunk's
+// token s from seq_init[k], and L_c gains that state's share before the pass:
+//   L_c <- fma(exp(cs[last_c] - cs[s - 1]), seq_init[k, h], L_c)  (cs[-1] = 0),  scale_c = 0.
 #define SP_THREADS 256
 #define SP_UNROLL 8
 template <int V>
@@ -22,7 +26,7 @@ template <int V>
 __device__ __forceinline__ void state_passing_body(
     const float* __restrict__ dA_cumsum, const float* __restrict__ initial_states, const int* __restrict__ seq_idx,
     float* __restrict__ chunk_states, float* __restrict__ final_states, int seqlen, int nheads, int headdim,
-    int dstate, int chunk_size, int nchunks)
+    int dstate, int chunk_size, int nchunks, const float* __restrict__ seq_init, const int* __restrict__ chunk_init)
 {
     typedef typename vecf<V>::T T;
     const i64 n = (i64)headdim * dstate;
@@ -41,6 +45,7 @@ __device__ __forceinline__ void state_passing_body(
         T own[SP_UNROLL];
         float sc[SP_UNROLL];
         int seq_last[SP_UNROLL];
+        bool injected[SP_UNROLL];
         // Every load of the SP_UNROLL chunks first, so that they are in flight together (rather
         // than each chunk's exponent waiting for its cumsum load before the next chunk's loads).
 #pragma unroll
@@ -49,18 +54,26 @@ __device__ __forceinline__ void state_passing_body(
             own[k] = T{};
             sc[k] = 0.0f;
             seq_last[k] = 0;
+            injected[k] = false;
             if (c < nchunks) {
                 own[k] = *reinterpret_cast<const T*>(p + (i64)c * cstride);
                 const i64 t0 = (i64)c * chunk_size;
                 const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
                 if (seq_idx != nullptr) seq_last[k] = seq_idx[(i64)b * seqlen + t0 + last];
                 sc[k] = cs_row[t0 + last];
+                if (chunk_init != nullptr && chunk_init[2 * c] >= 0) {
+                    const int s = chunk_init[2 * c + 1];
+                    const float decay = expf(sc[k] - (s > 0 ? cs_row[t0 + s - 1] : 0.0f));
+                    const T init = *reinterpret_cast<const T*>(seq_init + ((i64)chunk_init[2 * c] * nheads + h) * n + e);
+                    own[k] = vfma(decay, init, own[k]);
+                    injected[k] = true;  // scale_c = 0 below
+                }
             }
         }
 #pragma unroll
         for (int k = 0; k < SP_UNROLL; ++k) {
             if (c0 + k < nchunks) {
-                sc[k] = seq_last[k] == seq_prev ? expf(sc[k]) : 0.0f;
+                sc[k] = !injected[k] && seq_last[k] == seq_prev ? expf(sc[k]) : 0.0f;
                 seq_prev = seq_last[k];
             }
         }
@@ -85,15 +98,17 @@ struct StatePassingParams {
     float* final_states;          // [batch, nheads, headdim, dstate]
     int seqlen, nheads, headdim, dstate, chunk_size, nchunks;
     int vec4;  // 1: 4 elements per thread (headdim * dstate a multiple of 4)
+    const float* seq_init;        // [nseq, nheads, headdim, dstate] or null (packed, batch 1)
+    const int* chunk_init;        // [nchunks, 2]: (k or -1, first token of k in the chunk) or null
 };
-static_assert(sizeof(StatePassingParams) == 72, "StatePassingParams: the Rust struct has 72 bytes");
+static_assert(sizeof(StatePassingParams) == 88, "StatePassingParams: the Rust struct has 88 bytes");
 
 extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(const StatePassingParams p) {
     if (p.vec4)
         state_passing_body<4>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init);
     else
         state_passing_body<1>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init);
 }
 SSD_LAYOUT_FIXED(ssd_state_passing, StatePassingParams, 0);

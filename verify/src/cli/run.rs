@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use ssd_reference::serving::{self, Algorithm, Packing};
-use ssd_reference::{MatmulPrecision, Problem, Real};
+use ssd_reference::serving::{self, Algorithm, Packing, ServingOutput};
+use ssd_reference::{MatmulPrecision, Real};
 use ssd_verify::fixture::{self, FloatDtype, LoadedCase, Outputs, TensorWriter};
 use ssd_verify::VerifyError;
 
@@ -250,7 +250,8 @@ pub fn ms(d: Duration) -> f64 {
 }
 
 /// A packed (serving) case: `out`, `final_states`, `varlen_states` and (when the case lists
-/// positions) `position_states`, computed sequence by sequence ([`serving::forward`]).
+/// positions) `position_states`, computed sequence by sequence ([`serving::forward`]) on the
+/// CPU, or by the GPU kernels on the packed row ([`ssd_gpu::Gpu::forward_packed`]).
 fn run_packed(
     args: &Args,
     loaded: &LoadedCase,
@@ -259,59 +260,80 @@ fn run_packed(
 ) -> Result<ExitCode, VerifyError> {
     let problem = &loaded.case.problem;
     let algorithm = match (args.implementation, precision) {
-        (Impl::Gpu, _) => {
-            return Err(VerifyError::Usage(
-                "packed cases (`cu_seqlens`) have no GPU path yet: use --impl naive or chunked"
-                    .into(),
-            ))
+        (Impl::Gpu, Precision::Tf32) => None,
+        (Impl::Gpu, p) => {
+            return Err(VerifyError::Usage(format!(
+                "--impl gpu computes in tf32 only, not {}",
+                p.name()
+            )))
         }
         (Impl::Naive, Precision::Tf32) => {
             return Err(VerifyError::Usage(
                 "--precision tf32 needs --impl chunked: the naive recurrence has no matrix products to round to TF32".into(),
             ))
         }
-        (Impl::Naive, _) => Algorithm::Naive,
-        (Impl::Chunked, Precision::Tf32) => Algorithm::Chunked(MatmulPrecision::Tf32),
-        (Impl::Chunked, _) => Algorithm::Chunked(MatmulPrecision::Native),
+        (Impl::Naive, _) => Some(Algorithm::Naive),
+        (Impl::Chunked, Precision::Tf32) => Some(Algorithm::Chunked(MatmulPrecision::Tf32)),
+        (Impl::Chunked, _) => Some(Algorithm::Chunked(MatmulPrecision::Native)),
     };
     fn go<T: Real>(
-        p: &Problem<T>,
-        k: &Packing<T>,
-        alg: Algorithm,
+        compute: impl Fn() -> Result<ServingOutput<T>, VerifyError>,
         repeat: u32,
         w: &mut TensorWriter,
         dtype: FloatDtype,
+        positions: bool,
     ) -> Result<Vec<f64>, VerifyError> {
         let mut times = Vec::new();
         let mut last = None;
         for _ in 0..repeat {
             let t0 = std::time::Instant::now();
-            last =
-                Some(serving::forward(p, k, alg).map_err(|e| VerifyError::Usage(e.to_string()))?);
+            last = Some(compute()?);
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
         let o = last.expect("repeat >= 1");
         w.push("out", &o.out, dtype);
         w.push("final_states", &o.final_states, dtype);
         w.push("varlen_states", &o.varlen_states, dtype);
-        if !k.state_positions.is_empty() {
+        if positions {
             w.push("position_states", &o.position_states, dtype);
         }
         Ok(times)
     }
+    let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
     let mut w = TensorWriter::new();
     let dtype = precision.store_dtype();
     let reps = args.repeat;
-    let times = match precision {
-        Precision::F64 => go(problem, packing, algorithm, reps, &mut w, dtype)?,
-        _ => go(
-            &problem.cast::<f32>(),
-            &packing.cast::<f32>(),
-            algorithm,
+    let positions = !packing.state_positions.is_empty();
+    let times = match (algorithm, precision) {
+        (None, _) => {
+            let (p, k) = (problem.cast::<f32>(), packing.cast::<f32>());
+            let gpu = ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env())
+                .map_err(|e| VerifyError::Unavailable(e.to_string()))?;
+            let compute = || {
+                gpu.forward_packed(&p, &k).map_err(|e| match e {
+                    ssd_gpu::GpuError::Unsupported(m) => VerifyError::Usage(m),
+                    e => VerifyError::Unavailable(e.to_string()),
+                })
+            };
+            go(compute, reps, &mut w, dtype, positions)?
+        }
+        (Some(alg), Precision::F64) => go(
+            || serving::forward(problem, packing, alg).map_err(usage),
             reps,
             &mut w,
             dtype,
+            positions,
         )?,
+        (Some(alg), _) => {
+            let (p, k) = (problem.cast::<f32>(), packing.cast::<f32>());
+            go(
+                || serving::forward(&p, &k, alg).map_err(usage),
+                reps,
+                &mut w,
+                dtype,
+                positions,
+            )?
+        }
     };
     w.write(&args.out)?;
     let med = median(&times);
