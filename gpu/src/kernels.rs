@@ -122,15 +122,15 @@ impl Kernel {
             | Kernel::ChunkStateLocal
             | Kernel::ComputeOut
             | Kernel::ChunkCb
-            | Kernel::ComputeOutCb => 128,
+            | Kernel::ComputeOutCb
+            | Kernel::SeqInitOut
+            | Kernel::StatesAt => 128,
             Kernel::ChunkCumsumTiled
             | Kernel::ChunkStateLocalWide
             | Kernel::ChunkStateLocalPair
             | Kernel::StatePassing
             | Kernel::ComputeOutCb128
-            | Kernel::ComputeOutPair
-            | Kernel::SeqInitOut
-            | Kernel::StatesAt => 256,
+            | Kernel::ComputeOutPair => 256,
         }
     }
 

@@ -26,9 +26,10 @@ use crate::params::{SeqInitOutParams, StateSizes, StatesAtParams};
 use crate::runtime::{int, Args};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
 
-/// Headdim rows per block of `ssd_seq_init_out` and `ssd_states_at` (`SV_OUT_TP`, `SV_AT_TP`).
-const OUT_ROWS: usize = 32;
-const AT_ROWS: usize = 16;
+/// Headdim rows and dstate columns per block of `ssd_seq_init_out` and `ssd_states_at` (stage
+/// 2's tile, `ST_TP` and `ST_TN`).
+const TILE_ROWS: usize = 64;
+const AT_COLS: usize = 64;
 
 /// The packing of one problem in device memory: the tables the packed kernels read, built on
 /// the host from a validated [`Packing`] by [`Gpu::upload_packed`].
@@ -271,13 +272,13 @@ impl Gpu {
             let grid = (
                 *nranges as u32,
                 d.nheads as u32,
-                d.headdim.div_ceil(OUT_ROWS) as u32,
+                d.headdim.div_ceil(TILE_ROWS) as u32,
             );
             // SAFETY: `SeqInitOutParams` is the struct of `ssd_seq_init_out` (serving.cu); the
             // inputs and outputs were checked against the sizes by stage 3, `seq_init` holds
             // nseq states (validated packing), every range lies in one chunk of the row and
-            // names a sequence below nseq (built by `tables`), and dstate <= 256 (the shared
-            // tiles' size).
+            // names a sequence below nseq (built by `tables`); grid z covers headdim (at
+            // most 65535 tiles with the heads, by `shape::check`).
             unsafe { self.launch(Kernel::SeqInitOut, grid, d.dstate, &params) }?;
         }
         let init = packing.seq_init.as_ref().or(inputs.initial_states.as_ref());
@@ -298,16 +299,20 @@ impl Gpu {
                 sizes,
                 ntargets: int(n),
             };
-            let grid = (
-                n as u32,
-                d.nheads as u32,
-                d.headdim.div_ceil(AT_ROWS) as u32,
-            );
+            let tiles = d.headdim.div_ceil(TILE_ROWS) * d.dstate.div_ceil(AT_COLS);
+            if tiles > 65535 || n > i32::MAX as usize {
+                return Err(unsupported(format!(
+                    "packed states: headdim {} needs {tiles} tiles per state, at most 65535",
+                    d.headdim
+                )));
+            }
+            let grid = (n as u32, d.nheads as u32, tiles as u32);
             // SAFETY: `StatesAtParams` is the struct of `ssd_states_at` (serving.cu); the
             // buffers were checked against the sizes, `dst` holds n states (checked above),
             // every target's token, sequence start and initial-state index lie in the row
-            // and the init table (built by `tables` from a validated packing), and dstate
-            // <= 256 (the shared tiles' size).
+            // and the init table (built by `tables` from a validated packing); grid z covers
+            // [headdim, dstate] in 64 x 64 tiles (checked above), y the heads (at most
+            // 65535 by `shape::check`).
             unsafe { self.launch(Kernel::StatesAt, grid, d.dstate, &params) }
         };
         states_at(

@@ -18,6 +18,75 @@
 //   S <- exp(cs[last] - cs[s - 1]) * seq_init[k, h] + sum_{l >= s} ...   (cs[-1] = 0)
 // instead of scale * S (which is 0 there: the sequence changed, or S is 0 before chunk 0).
 
+// The accumulator tile of a block of ST_THREADS threads over a 64 x 64 tile of a state: warp w
+// holds rows 16 w + g (+ 8), columns 8 j + 2 q (+ 1), j < 8 (the m16n8k8 C fragment).
+struct StateFrag {
+    int pr0, q;  // the thread's first row (16 warp + g) and quad index
+    __device__ __forceinline__ int row(int e) const { return pr0 + ((e & 2) ? 8 : 0); }
+    __device__ __forceinline__ int col(int j, int e) const { return j * 8 + 2 * q + (e & 1); }
+};
+
+// acc = scale * src[p0 + row, n0 + col] (row < rows_p, col < cols_n; 0 elsewhere and where src is
+// null); src is a [headdim, dstate] state.
+__device__ __forceinline__ void frag_load_scaled(float (&acc)[8][4], StateFrag f, const float* src, float scale,
+                                                 int p0, int n0, int rows_p, int cols_n, int dstate) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int pr = f.row(e), nc = f.col(j, e);
+            acc[j][e] = src != nullptr && pr < rows_p && nc < cols_n ? scale * src[(i64)(p0 + pr) * dstate + n0 + nc] : 0.0f;
+        }
+    }
+}
+
+// dst[p0 + row, n0 + col] = acc, within rows_p x cols_n; dst is a [headdim, dstate] state.
+__device__ __forceinline__ void frag_store(const float (&acc)[8][4], StateFrag f, float* dst, int p0, int n0,
+                                           int rows_p, int cols_n, int dstate) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int pr = f.row(e), nc = f.col(j, e);
+            if (pr < rows_p && nc < cols_n) dst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
+        }
+    }
+}
+
+// acc[p, n] += sum_{l < ntok} x[l, p] * (weight(l) * B[l, n]) for one 64 x 64 state tile: xsrc and
+// bsrc point at token 0's row of the tile's columns (row strides sx, sb), one TF32 product per
+// ST_TK tokens staged in xs, bs ([token][p], [token][n], stride ST_STRIDE) and ws. Every thread of
+// the block calls it (it synchronises).
+template <typename Weight>
+__device__ __forceinline__ void state_tile_accumulate(float (&acc)[8][4], float* xs, float* bs, float* ws,
+                                                      const float* __restrict__ xsrc, i64 sx,
+                                                      const float* __restrict__ bsrc, i64 sb, int ntok,
+                                                      int rows_p, int cols_n, Weight weight) {
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    for (int k0 = 0; k0 < ntok; k0 += ST_TK) {
+        const int rows_t = min(ST_TK, ntok - k0);
+        __syncthreads();  // the previous stage's fragments have been read
+        if (tid < ST_TK) ws[tid] = tid < rows_t ? weight(k0 + tid) : 0.0f;
+        load_block64_tf32<ST_TK, ST_THREADS, false>(xs, ST_STRIDE, xsrc + k0 * sx, sx, rows_t, rows_p, nullptr, tid);
+        __syncthreads();  // ws is ready
+        load_block64_tf32<ST_TK, ST_THREADS, true>(bs, ST_STRIDE, bsrc + k0 * sb, sb, rows_t, cols_n, ws, tid);
+        __syncthreads();  // both tiles are ready
+#pragma unroll
+        for (int kk = 0; kk < ST_TK / 8; ++kk) {
+            unsigned a[4];
+            // A[p][l] = x[l][p]: xs holds [l][p], so the fragment is read transposed.
+            load_a_colmajor(a, xs + kk * 8 * ST_STRIDE + warp * 16, ST_STRIDE, g, q);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                unsigned bf[2];
+                load_b_krows(bf, bs + kk * 8 * ST_STRIDE + j * 8, ST_STRIDE, g, q);
+                mma_tf32(acc[j], a, bf);
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ void fwd_pass_state_body(
     const float* __restrict__ x,               // [batch, seqlen, nheads, headdim]
     const float* __restrict__ Bm,              // [batch, seqlen, ngroups, dstate]
@@ -45,38 +114,13 @@ __device__ __forceinline__ void fwd_pass_state_body(
     const int rows_p = min(ST_TP, headdim - p0);
     const int cols_n = min(ST_TN, dstate - n0);
 
-    // This thread's accumulator elements: rows p = p0 + warp*16 + g (+8), cols n = n0 + j*8 + 2q (+1).
-    const int pr0 = warp * 16 + g;
+    const StateFrag f{warp * 16 + g, q};
     float acc[8][4];
-    {
-        const float* init = initial_states != nullptr
-            ? initial_states + ((i64)b * nheads + h) * headdim * dstate : nullptr;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int pr = pr0 + ((e & 2) ? 8 : 0);
-                int nc = j * 8 + 2 * q + (e & 1);
-                float v = 0.0f;
-                if (init != nullptr && pr < rows_p && nc < cols_n)
-                    v = init[(i64)(p0 + pr) * dstate + n0 + nc];
-                acc[j][e] = v;
-            }
-        }
-    }
-
+    frag_load_scaled(acc, f,
+                     initial_states != nullptr ? initial_states + ((i64)b * nheads + h) * headdim * dstate : nullptr,
+                     1.0f, p0, n0, rows_p, cols_n, dstate);
     // Writes this thread's accumulator elements into a [headdim, dstate] state.
-    auto store_state = [&](float* dst) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int pr = pr0 + ((e & 2) ? 8 : 0);
-                int nc = j * 8 + 2 * q + (e & 1);
-                if (pr < rows_p && nc < cols_n) dst[(i64)(p0 + pr) * dstate + n0 + nc] = acc[j][e];
-            }
-        }
-    };
+    auto store_state = [&](float* dst) { frag_store(acc, f, dst, p0, n0, rows_p, cols_n, dstate); };
 
     const i64 tok_stride_x = (i64)nheads * headdim;
     const i64 tok_stride_b = (i64)ngroups * dstate;
@@ -96,16 +140,8 @@ __device__ __forceinline__ void fwd_pass_state_body(
         if (chunk_init != nullptr && chunk_init[2 * c] >= 0) {
             const int s = chunk_init[2 * c + 1];
             const float decay = expf(cs_last - (s > 0 ? dA_cumsum[cb + s - 1] : 0.0f));
-            const float* init = seq_init + ((i64)chunk_init[2 * c] * nheads + h) * headdim * dstate;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int pr = pr0 + ((e & 2) ? 8 : 0);
-                    int nc = j * 8 + 2 * q + (e & 1);
-                    acc[j][e] = pr < rows_p && nc < cols_n ? decay * init[(i64)(p0 + pr) * dstate + n0 + nc] : 0.0f;
-                }
-            }
+            frag_load_scaled(acc, f, seq_init + ((i64)chunk_init[2 * c] * nheads + h) * headdim * dstate, decay, p0,
+                             n0, rows_p, cols_n, dstate);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -114,39 +150,13 @@ __device__ __forceinline__ void fwd_pass_state_body(
             }
         }
 
-        for (int k0 = 0; k0 <= last; k0 += ST_TK) {
-            const int rows_t = min(ST_TK, last + 1 - k0);
-            __syncthreads();  // the previous stage's fragments have been read
-            if (tid < ST_TK) {
-                float w = 0.0f;
-                if (tid < rows_t) {
-                    int l = k0 + tid;
-                    bool same = seq_idx == nullptr || seq_idx[(i64)b * seqlen + t0 + l] == seq_last;
-                    if (same) w = expf(cs_last - dA_cumsum[cb + l]) * dt_out[cb + l];
-                }
-                ws[tid] = w;
-            }
-            load_block64_tf32<ST_TK, ST_THREADS, false>(
-                xs, ST_STRIDE, x + ((i64)b * seqlen + t0 + k0) * tok_stride_x + (i64)h * headdim + p0,
-                tok_stride_x, rows_t, rows_p, nullptr, tid);
-            __syncthreads();  // ws is ready
-            load_block64_tf32<ST_TK, ST_THREADS, true>(
-                bs, ST_STRIDE, Bm + ((i64)b * seqlen + t0 + k0) * tok_stride_b + (i64)grp * dstate + n0,
-                tok_stride_b, rows_t, cols_n, ws, tid);
-            __syncthreads();  // both tiles are ready
-#pragma unroll
-            for (int kk = 0; kk < ST_TK / 8; ++kk) {
-                unsigned a[4];
-                // A[p][l] = x[l][p]: xs holds [l][p], so the fragment is read transposed.
-                load_a_colmajor(a, xs + kk * 8 * ST_STRIDE + warp * 16, ST_STRIDE, g, q);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    unsigned bf[2];
-                    load_b_krows(bf, bs + kk * 8 * ST_STRIDE + j * 8, ST_STRIDE, g, q);
-                    mma_tf32(acc[j], a, bf);
-                }
-            }
-        }
+        state_tile_accumulate(
+            acc, xs, bs, ws, x + ((i64)b * seqlen + t0) * tok_stride_x + (i64)h * headdim + p0, tok_stride_x,
+            Bm + ((i64)b * seqlen + t0) * tok_stride_b + (i64)grp * dstate + n0, tok_stride_b, last + 1, rows_p, cols_n,
+            [&](int l) {
+                const bool same = seq_idx == nullptr || seq_idx[(i64)b * seqlen + t0 + l] == seq_last;
+                return same ? expf(cs_last - dA_cumsum[cb + l]) * dt_out[cb + l] : 0.0f;
+            });
     }
 
     store_state(final_states + ((i64)b * nheads + h) * headdim * dstate);
