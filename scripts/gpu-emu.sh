@@ -5,7 +5,11 @@
 # problems over every option: dA_cumsum/dt' the same bits; chunk/final states and `out` within
 # 5e-3 of their largest magnitude, the kernels over pairs of units (2a, output) too where they apply (version 2 feeds the tensor cores raw f32 operands and uses
 # 2^x); the 16-byte and 4-byte copy paths of the output and scores kernels the same bits; no
-# NaN anywhere.
+# NaN anywhere. Cases ending in `packed` (batch 1) also split the row into random sequences and run
+# the packed path (stage 2 with per-sequence initial states in both versions, ssd_seq_init_out,
+# ssd_states_at), compared with a float64 recurrence sequence by sequence within 5e-3 of the
+# largest magnitude (a decay of the initial state's share of `out` from the chunk start instead
+# of the sequence start exceeds that by 14x to 100x on these cases).
 # The kernel sources are compiled as they are (gpu/emu/kernels.h), emu.h standing in for
 # kernels/ptx.cuh. Needs g++ with C++20. Slow (threads): keep the problems small.
 set -euo pipefail
@@ -15,7 +19,7 @@ trap 'rm -rf "$work"' EXIT
 g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wno-unknown-pragmas -pthread \
   "$root/gpu/emu/main.cpp" -o "$work/emu"
 fail=0
-# batch seqlen nheads headdim ngroups dstate chunk opts seed
+# batch seqlen nheads headdim ngroups dstate chunk opts seed [packed]
 # opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus
 while read -r args; do
   [ -z "$args" ] && continue
@@ -43,5 +47,8 @@ done <<'CASES'
 1 330 2 128 2 64 256 1 16
 2 200 2 64 1 256 128 3 17
 1 330 2 128 2 68 256 21 18
+1 150 2 40 1 24 32 30 3 packed
+1 200 2 16 1 16 64 30 4 packed
+1 260 2 64 1 72 128 12 7 packed
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

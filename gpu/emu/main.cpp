@@ -2,11 +2,16 @@
 // kernel sources themselves (kernels.h): runs version 1 (fused
 // state pass + ssd_compute_out) and version 2 (ssd_chunk_state_local + ssd_state_passing,
 // ssd_chunk_cb + ssd_compute_out_cb) of the SSD forward on one random problem and compares them.
-// Arguments: batch seqlen nheads headdim ngroups dstate chunk opts seed
+// Arguments: batch seqlen nheads headdim ngroups dstate chunk opts seed [packed]
 // (opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus).
+// With `packed` (batch 1): the row is split into random sequences (zero-length ones included),
+// seq_idx is the one the split implies, bit 2 gives each sequence an initial state (some masked
+// off), and the packed path (stage 2 with chunk_init, ssd_seq_init_out, ssd_states_at) is also
+// run, in both versions of stage 2, and compared with a float64 recurrence sequence by sequence.
 #include "kernels.h"
 #include <random>
 #include <string>
+#include <functional>
 thread_local dim3e threadIdx, blockIdx, blockDim;
 thread_local BlockCtx* g_blk;
 thread_local std::vector<std::vector<Copy>> g_groups;
@@ -32,6 +37,103 @@ void launch(dim3e grid, int nt, size_t dyn_bytes, F f) {
     }
 }
 
+// The packed path on one row split at cu, against a float64 recurrence sequence by sequence (the
+// processed dt' of stage 1, dto, as its input). Returns the number of failed comparisons.
+template <class Cmp>
+size_t packed_path(const std::vector<int>& cu, const std::vector<int>& seq, const std::vector<float>& x,
+                   const std::vector<float>& Bm, const std::vector<float>& Cm, const std::vector<float>& z,
+                   const std::vector<float>& Dv, const float* zp, const std::vector<float>& dto,
+                   const std::vector<float>& dac, const std::vector<float>& A, int L, int H, int P, int G, int N,
+                   int Q, int nc, int opts, std::mt19937& rng, Cmp cmp) {
+    const int nseq = (int)cu.size() - 1;
+    const size_t st = (size_t)H * P * N;
+    std::uniform_real_distribution<float> U(-1, 1);
+    std::vector<float> sinit(nseq * st);
+    for (auto& e : sinit) e = U(rng);
+    std::vector<int> has(nseq, 0);
+    for (int k = 0; k < nseq; ++k) has[k] = (opts & 2) && rng() % 5 != 0;
+    // The host's tables (gpu/src/serving.rs: tables), serving convention.
+    std::vector<int> chunk_init(2 * nc, 0), ranges, targets, ptargets;
+    for (int c = 0; c < nc; ++c) {
+        const int last = std::min((c + 1) * Q, L) - 1, k = seq[last];
+        chunk_init[2 * c] = cu[k] >= c * Q && has[k] ? k : -1;
+        chunk_init[2 * c + 1] = cu[k] >= c * Q && has[k] ? cu[k] - c * Q : 0;
+    }
+    for (int k = 0; k < nseq; ++k) {
+        const int s = cu[k], e = cu[k + 1];
+        if (e > s && has[k]) ranges.insert(ranges.end(), {s, std::min(e, (s / Q + 1) * Q), k, 0});
+        targets.insert(targets.end(), {e > s ? e - 1 : -1, s, has[k] ? k : -1, 0});
+    }
+    std::vector<int> pos;
+    for (int i = 0; i < 5; ++i) pos.push_back(rng() % L);
+    for (int t : pos) ptargets.insert(ptargets.end(), {t, cu[seq[t]], has[seq[t]] ? seq[t] : -1, 0});
+    const int ptiles = (P + 63) / 64, ntiles = (N + 63) / 64;
+    const size_t nst = (size_t)nc * st, nx = (size_t)L * H * P;
+    // Stage 2, version 2 (2a, then the pass with the tables) and version 1.
+    std::vector<float> cst2(nst, NAN), fin2(st, NAN), cst1(nst, NAN), fin1(st, NAN);
+    const int vec4 = (P * N) % 4 == 0 ? 1 : 0;
+    launch({(unsigned)(nc * ptiles * ntiles * H), 1, 1}, 128, ssd_chunk_state_local_layout.smem[0], [&] {
+        ssd_chunk_state_local({x.data(), Bm.data(), dto.data(), dac.data(), seq.data(), cst2.data(), L, H, P, G, N, Q, nc}); });
+    launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, 1}, 256, 0, [&] {
+        ssd_state_passing({dac.data(), nullptr, seq.data(), cst2.data(), fin2.data(), L, H, P, N, Q, nc, vec4, sinit.data(), chunk_init.data()}); });
+    launch({(unsigned)(ptiles * ntiles), (unsigned)H, 1}, 128, 0, [&] {
+        ssd_fwd_pass_state({x.data(), Bm.data(), dto.data(), dac.data(), nullptr, seq.data(), cst1.data(), fin1.data(), L, H, P, G, N, Q, nc, sinit.data(), chunk_init.data()}); });
+    // Stage 3 (version 1's kernel), then the initial states' share of out.
+    std::vector<float> out(nx, NAN);
+    const int itiles = (Q + 63) / 64;
+    launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), 1}, 128, ssd_compute_out_layout.smem[ntiles - 1], [&] {
+        ssd_compute_out({x.data(), Bm.data(), Cm.data(), Dv.data(), zp, dto.data(), dac.data(), cst2.data(), seq.data(), out.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, 0}); });
+    const int nranges = (int)ranges.size() / 4;
+    if (nranges > 0)
+        launch({(unsigned)nranges, (unsigned)H, (unsigned)ptiles}, 128, 0, [&] {
+            ssd_seq_init_out({Cm.data(), zp, dac.data(), sinit.data(), ranges.data(), out.data(), L, H, P, G, N, Q, nc, nranges}); });
+    std::vector<float> var(nseq * st, NAN), pst(pos.size() * st, NAN);
+    launch({(unsigned)nseq, (unsigned)H, (unsigned)(ptiles * ntiles)}, 128, 0, [&] {
+        ssd_states_at({x.data(), Bm.data(), dto.data(), dac.data(), cst2.data(), sinit.data(), targets.data(), var.data(), L, H, P, G, N, Q, nc, nseq}); });
+    launch({(unsigned)pos.size(), (unsigned)H, (unsigned)(ptiles * ntiles)}, 128, 0, [&] {
+        ssd_states_at({x.data(), Bm.data(), dto.data(), dac.data(), cst2.data(), sinit.data(), ptargets.data(), pst.data(), L, H, P, G, N, Q, nc, (int)pos.size()}); });
+    // The float64 recurrence.
+    std::vector<float> outR(nx), varR(nseq * st), pstR(pos.size() * st), finR(st);
+    std::vector<double> s(st);
+    for (int k = 0; k < nseq; ++k) {
+        for (size_t i = 0; i < st; ++i) s[i] = has[k] ? sinit[k * st + i] : 0.0;
+        for (int t = cu[k]; t < cu[k + 1]; ++t) {
+            const int c = t / Q, l = t % Q, g0 = 0;
+            (void)g0;
+            for (int h = 0; h < H; ++h) {
+                const int g = h / (H / G);
+                const double d = dto[((size_t)h * nc + c) * Q + l], decay = std::exp(d * (double)A[h]);
+                for (int p = 0; p < P; ++p) {
+                    double y = 0;
+                    const double xv = x[((size_t)t * H + h) * P + p];
+                    for (int n = 0; n < N; ++n) {
+                        double& e = s[((size_t)h * P + p) * N + n];
+                        e = decay * e + d * xv * Bm[((size_t)t * G + g) * N + n];
+                        y += e * Cm[((size_t)t * G + g) * N + n];
+                    }
+                    y += (double)Dv[(opts & 8) ? h * P + p : h] * xv;
+                    if (zp) { const double zz = z[((size_t)t * H + h) * P + p]; y = y * zz / (1 + std::exp(-zz)); }
+                    outR[((size_t)t * H + h) * P + p] = (float)y;
+                }
+            }
+            for (size_t j = 0; j < pos.size(); ++j)
+                if (pos[j] == t) for (size_t i = 0; i < st; ++i) pstR[j * st + i] = (float)s[i];
+        }
+        for (size_t i = 0; i < st; ++i) varR[k * st + i] = (float)s[i];
+        if (cu[k + 1] == L && cu[k + 1] > cu[k]) for (size_t i = 0; i < st; ++i) finR[i] = (float)s[i];
+    }
+    printf("packed: %d sequences (%d with an initial state, %d ranges), %zu positions\n", nseq,
+           (int)std::count(has.begin(), has.end(), 1), nranges, pos.size());
+    size_t bad = 0;
+    bad += cmp("packed out vs f64", out, outR, 5e-3);
+    bad += cmp("packed varlen_states vs f64", var, varR, 5e-3);
+    bad += cmp("packed position_states vs f64", pst, pstR, 5e-3);
+    bad += cmp("packed final_states vs f64", fin2, finR, 5e-3);
+    bad += cmp("packed chunk_states v2 vs v1", cst2, cst1, 5e-3);
+    bad += cmp("packed final_states v2 vs v1", fin2, fin1, 5e-3);
+    return bad;
+}
+
 int main(int argc, char** argv) {
     int B = atoi(argv[1]), L = atoi(argv[2]), H = atoi(argv[3]), P = atoi(argv[4]), G = atoi(argv[5]), N = atoi(argv[6]), Q = atoi(argv[7]);
     int opts = atoi(argv[8]);  // bit0 seq_idx, bit1 init, bit2 z, bit3 D per channel, bit4 dt_bias+softplus
@@ -47,8 +149,19 @@ int main(int argc, char** argv) {
     auto bias = vec(H, U);
     std::vector<int> seq(B * L);
     for (int b = 0; b < B; ++b) { int s = (b % 2) ? 1 : 0; for (int t = 0; t < L; ++t) { if (t > 0 && rng() % 37 == 0) s += 1 + rng() % 2; if (t > 0 && t % Q == 0 && rng() % 3 == 0) s++; seq[b * L + t] = s; } }
-    const int* seqp = (opts & 1) ? seq.data() : nullptr;
-    const float* initp = (opts & 2) ? init.data() : nullptr;
+    const bool packed = argc > 10 && std::string(argv[10]) == "packed";
+    std::vector<int> cu{0};  // packed: sequence k holds tokens [cu[k], cu[k + 1])
+    if (packed) {
+        if (B != 1) { fprintf(stderr, "packed needs batch 1\n"); return 2; }
+        while (cu.back() < L) {
+            int r = rng() % 4;
+            int len = r == 0 ? 0 : r == 1 ? 1 + rng() % Q : r == 2 ? Q : 1 + rng() % (2 * Q + 3);
+            cu.push_back(std::min(L, cu.back() + len));
+        }
+        for (size_t k = 0; k + 1 < cu.size(); ++k) for (int t = cu[k]; t < cu[k + 1]; ++t) seq[t] = (int)k;
+    }
+    const int* seqp = (opts & 1) || packed ? seq.data() : nullptr;
+    const float* initp = (opts & 2) && !packed ? init.data() : nullptr;
     const float* zp = (opts & 4) ? z.data() : nullptr;
     const float* biasp = (opts & 16) ? bias.data() : nullptr;
     int softplus = (opts & 16) ? 1 : 0;
@@ -165,5 +278,6 @@ int main(int argc, char** argv) {
     } else {
         printf("pair kernel: not applicable\n");
     }
+    if (packed) nans += packed_path(cu, seq, x, Bm, Cm, z, Dv, zp, dto, dac, A, L, H, P, G, N, Q, nc, opts, rng, cmp);
     printf("RESULT %s\n", nans ? "NAN or large difference" : "ok");
 }
