@@ -268,9 +268,16 @@ fn forward<'py>(
                     "f64" => stages(&p, MatmulPrecision::Native),
                     "f32" => stages(&p.cast::<f32>(), MatmulPrecision::Native),
                     "tf32" => stages(&p.cast::<f32>(), MatmulPrecision::Tf32),
+                    // A bf16 kernel reads x, B, C, z as bfloat16 values.
+                    "bf16" => stages(
+                        &ssd_verify::fixture::round_inputs(&p, ssd_verify::fixture::FloatDtype::BF16)
+                            .map_err(|e| value_error(e.to_string()))?
+                            .cast::<f32>(),
+                        MatmulPrecision::Bf16,
+                    ),
                     other => {
                         return Err(value_error(format!(
-                            "unknown precision `{other}` for the chunked path: expected f64, f32 or tf32"
+                            "unknown precision `{other}` for the chunked path: expected f64, f32, tf32 or bf16"
                         )))
                     }
                 })

@@ -61,6 +61,14 @@ def test_a_tf32_result_fails_at_f32_with_the_precision_hint():
         ssd_oracle.assert_close(cand, **case.kwargs, precision="f32")
 
 
+def test_the_bf16_emulation_passes_at_bf16_and_fails_at_tf32():
+    case = ssd_oracle.load_case(FULL)
+    bf16 = ssd_oracle.intermediates(**case.kwargs, precision="bf16")
+    cand = {k: bf16[k].astype(np.float32) for k in ("out", "final_states")}
+    ssd_oracle.assert_close(cand, **case.kwargs, precision="bf16")
+    assert not ssd_oracle.check(cand, **case.kwargs, precision="tf32").passed
+
+
 def test_storage_dtype_is_taken_from_the_tensor():
     kw = random_inputs(seed=7)
     out = ssd_oracle.mamba_chunk_scan_combined(**kw)

@@ -71,8 +71,8 @@ def test_other_bad_values(kw):
         ssd_oracle.check(out.astype(np.int64), **kw)
     with pytest.raises(ValueError, match="sequence of 3"):
         ssd_oracle.check((out, out, out), **kw)
-    with pytest.raises(ValueError, match="unknown algorithm|precision"):
-        ssd_oracle.intermediates(**kw, precision="bf16")
+    with pytest.raises(ValueError, match="unknown precision `fp8`.*f64, f32, tf32 or bf16"):
+        ssd_oracle.intermediates(**kw, precision="fp8")
 
 
 def test_missing_and_malformed_case_files(tmp_path):

@@ -43,7 +43,8 @@
 //!
 //! # TF32 rounding points
 //! Under [`MatmulPrecision::Tf32`] every operand of every matrix product is rounded to TF32
-//! ([`Real::round_tf32`]); sums, masks, decays, dot products that are not matrix products,
+//! ([`Real::round_tf32`]; to bfloat16 at the same points under [`MatmulPrecision::Bf16`], which
+//! is not calibrated for gradients); sums, masks, decays, dot products that are not matrix products,
 //! and element-wise work stay in `T`. The products and their rounded operands (`X_c`, `Ybar_c`
 //! the chunk's rows of `x` and `ybar`, `Sbar = dstates_passed[c]`):
 //!
@@ -115,7 +116,6 @@ use crate::flat::Flat;
 use crate::fwd_pass_state::{fwd_pass_state, pass_scale};
 use crate::gemm::{gemm, Epilogue, Mat, Tri};
 use crate::problem::{check_finite, check_shape, softplus};
-use crate::tf32::round_all;
 use crate::{Inputs, MatmulPrecision, Problem, Real, ReferenceError};
 
 /// Everything the chunked backward computes: the gradients and every intermediate.
@@ -463,15 +463,13 @@ fn rows_copy<T: Real>(
     off: usize,
     stride: usize,
     (nrows, ncols): (usize, usize),
-    round: bool,
+    round: MatmulPrecision,
 ) -> Vec<T> {
     let mut v = Vec::with_capacity(nrows * ncols);
     for r in 0..nrows {
         v.extend_from_slice(&src[off + r * stride..off + r * stride + ncols]);
     }
-    if round {
-        round_all(&mut v);
-    }
+    round.round_all(&mut v);
     v
 }
 
@@ -505,7 +503,7 @@ struct Operands<'a, T: Real> {
 
 impl<T: Real> Operands<'_, T> {
     /// `Ybar_c` (`L x headdim`), rounded when `round`.
-    fn ybar_c(&self, (b, h): (usize, usize), g: &ChunkGeo<T>, round: bool) -> Vec<T> {
+    fn ybar_c(&self, (b, h): (usize, usize), g: &ChunkGeo<T>, round: MatmulPrecision) -> Vec<T> {
         let d = self.f.p.dims();
         rows_copy(
             self.ybar,
@@ -517,7 +515,7 @@ impl<T: Real> Operands<'_, T> {
     }
 
     /// `x_c` (`L x headdim`), rounded when `round`.
-    fn x_c(&self, (b, h): (usize, usize), g: &ChunkGeo<T>, round: bool) -> Vec<T> {
+    fn x_c(&self, (b, h): (usize, usize), g: &ChunkGeo<T>, round: MatmulPrecision) -> Vec<T> {
         let d = self.f.p.dims();
         rows_copy(
             self.f.x(),
@@ -534,7 +532,7 @@ impl<T: Real> Operands<'_, T> {
         which_c: bool,
         (b, grp): (usize, usize),
         g: &ChunkGeo<T>,
-        round: bool,
+        round: MatmulPrecision,
     ) -> Vec<T> {
         let d = self.f.p.dims();
         let src = if which_c { self.f.c() } else { self.f.b() };
@@ -551,8 +549,8 @@ impl<T: Real> Operands<'_, T> {
     fn gram(&self, (b, grp): (usize, usize), g: &ChunkGeo<T>) -> Vec<T> {
         let ds = self.f.p.dims().dstate;
         let l = g.l;
-        let c_c = self.bc_c(true, (b, grp), g, self.f.tf32);
-        let b_t = transpose(&self.bc_c(false, (b, grp), g, self.f.tf32), l, ds);
+        let c_c = self.bc_c(true, (b, grp), g, self.f.operands);
+        let b_t = transpose(&self.bc_c(false, (b, grp), g, self.f.operands), l, ds);
         let mut gm = vec![T::zero(); l * l];
         gemm(
             (l, l, ds),
@@ -571,9 +569,9 @@ impl<T: Real> Operands<'_, T> {
     fn p_matrix(&self, (b, h): (usize, usize), g: &ChunkGeo<T>, dec: &[T]) -> Vec<T> {
         let hd = self.f.p.dims().headdim;
         let l = g.l;
-        let tf32 = self.f.tf32;
-        let yc = self.ybar_c((b, h), g, tf32);
-        let xt = transpose(&self.x_c((b, h), g, tf32), l, hd);
+        let operands = self.f.operands;
+        let yc = self.ybar_c((b, h), g, operands);
+        let xt = transpose(&self.x_c((b, h), g, operands), l, hd);
         let mut m = vec![T::zero(); l * l];
         gemm(
             (l, l, hd),
@@ -633,15 +631,13 @@ pub fn bwd_dstates<T: Real>(
         .for_each(|(u, o)| {
             let (b, c, h) = (u / (nc * nh), (u / nh) % nc, u % nh);
             let g = ChunkGeo::new(&ops.f, (b, c, h));
-            let yc = ops.ybar_c((b, h), &g, ops.f.tf32);
+            let yc = ops.ybar_c((b, h), &g, ops.f.operands);
             let e = g.e();
-            let mut ec = ops.bc_c(true, (b, d.group_of_head(h)), &g, false);
+            let mut ec = ops.bc_c(true, (b, d.group_of_head(h)), &g, MatmulPrecision::Native);
             for (row, &ei) in ec.chunks_exact_mut(ds).zip(&e) {
                 row.iter_mut().for_each(|v| *v = *v * ei);
             }
-            if ops.f.tf32 {
-                round_all(&mut ec);
-            }
+            ops.f.operands.round_all(&mut ec);
             gemm(
                 (hd, ds, g.l),
                 transposed(&yc, hd),
@@ -860,7 +856,7 @@ pub fn bwd_dx<T: Real>(
     };
     let sp = dstates_passed.as_standard_layout();
     let sp = sp.as_slice().expect("standard layout");
-    let tf32 = ops.f.tf32;
+    let operands = ops.f.operands;
 
     /// One head's share: `dx` rows `[L, headdim]`, `ddt_x` `[L]`, `dD` terms `[headdim]`.
     struct Head<T> {
@@ -874,7 +870,7 @@ pub fn bwd_dx<T: Real>(
             let (b, c, grp) = (u / (nc * ng), (u / ng) % nc, u % ng);
             let g0 = ChunkGeo::new(&ops.f, (b, c, grp * hpg));
             let gm = ops.gram((b, grp), &g0);
-            let b_c = ops.bc_c(false, (b, grp), &g0, tf32);
+            let b_c = ops.bc_c(false, (b, grp), &g0, operands);
             (0..hpg)
                 .map(|hh| {
                     let h = grp * hpg + hh;
@@ -887,14 +883,10 @@ pub fn bwd_dx<T: Real>(
                             k[i * l + j] = gm[i * l + j] * dec[i * l + j];
                         }
                     }
-                    if tf32 {
-                        round_all(&mut k);
-                    }
+                    operands.round_all(&mut k);
                     let off = ((b * nc + c) * nh + h) * hd * ds;
                     let mut sbar_t = transpose(&sp[off..off + hd * ds], hd, ds);
-                    if tf32 {
-                        round_all(&mut sbar_t);
-                    }
+                    operands.round_all(&mut sbar_t);
                     let v = g.v();
                     let mut du = vec![T::zero(); l * hd];
                     gemm(
@@ -906,7 +898,7 @@ pub fn bwd_dx<T: Real>(
                         Epilogue::ScaleRows(&v),
                         Tri::Full,
                     );
-                    let yc_r = ops.ybar_c((b, h), &g, tf32);
+                    let yc_r = ops.ybar_c((b, h), &g, operands);
                     gemm(
                         (l, hd, l),
                         transposed(&k, l),
@@ -916,8 +908,8 @@ pub fn bwd_dx<T: Real>(
                         Epilogue::Add,
                         Tri::Full,
                     );
-                    let yc = ops.ybar_c((b, h), &g, false);
-                    let xc = ops.x_c((b, h), &g, false);
+                    let yc = ops.ybar_c((b, h), &g, MatmulPrecision::Native);
+                    let xc = ops.x_c((b, h), &g, MatmulPrecision::Native);
                     let mut head = Head {
                         dx: vec![T::zero(); l * hd],
                         ddt: vec![T::zero(); l],
@@ -1021,20 +1013,18 @@ pub fn bwd_db<T: Real>(
     Ok(group_rows(p, |(b, c, grp)| {
         let d = *p.dims();
         let ds = p.dims().dstate;
-        let tf32 = ops.f.tf32;
+        let operands = ops.f.operands;
         let hpg = d.heads_per_group();
         let g0 = ChunkGeo::new(&ops.f, (b, c, grp * hpg));
         let l = g0.l;
-        let c_c = ops.bc_c(true, (b, grp), &g0, tf32);
+        let c_c = ops.bc_c(true, (b, grp), &g0, operands);
         let mut acc = vec![T::zero(); l * ds];
         for hh in 0..hpg {
             let h = grp * hpg + hh;
             let g = ChunkGeo::new(&ops.f, (b, c, h));
             let dec = g.dec();
             let mut pm = ops.p_matrix((b, h), &g, &dec);
-            if tf32 {
-                round_all(&mut pm);
-            }
+            operands.round_all(&mut pm);
             let mut db = carried_db(&ops, sp, (b, c, h), &g);
             gemm(
                 (l, ds, l),
@@ -1086,20 +1076,18 @@ pub fn bwd_dc<T: Real>(
     Ok(group_rows(p, |(b, c, grp)| {
         let d = *p.dims();
         let ds = d.dstate;
-        let tf32 = ops.f.tf32;
+        let operands = ops.f.operands;
         let hpg = d.heads_per_group();
         let g0 = ChunkGeo::new(&ops.f, (b, c, grp * hpg));
         let l = g0.l;
-        let b_c = ops.bc_c(false, (b, grp), &g0, tf32);
+        let b_c = ops.bc_c(false, (b, grp), &g0, operands);
         let mut acc = vec![T::zero(); l * ds];
         for hh in 0..hpg {
             let h = grp * hpg + hh;
             let g = ChunkGeo::new(&ops.f, (b, c, h));
             let dec = g.dec();
             let mut pm = ops.p_matrix((b, h), &g, &dec);
-            if tf32 {
-                round_all(&mut pm);
-            }
+            operands.round_all(&mut pm);
             let mut dc = carried_dc(&ops, st, (b, c, h), &g);
             gemm(
                 (l, ds, l),
@@ -1128,10 +1116,10 @@ fn carried_dc<T: Real>(
     let p = ops.f.p;
     let d = p.dims();
     let (nc, nh, hd, ds) = (p.nchunks(), d.nheads, d.headdim, d.dstate);
-    let tf32 = ops.f.tf32;
-    let yc = ops.ybar_c((b, h), g, tf32);
+    let operands = ops.f.operands;
+    let yc = ops.ybar_c((b, h), g, operands);
     let off = ((b * nc + c) * nh + h) * hd * ds;
-    let s_c = rows_copy(st, off, ds, (hd, ds), tf32);
+    let s_c = rows_copy(st, off, ds, (hd, ds), operands);
     let e = g.e();
     let mut dc = vec![T::zero(); g.l * ds];
     gemm(
@@ -1156,10 +1144,10 @@ fn carried_db<T: Real>(
     let p = ops.f.p;
     let d = p.dims();
     let (nc, nh, hd, ds) = (p.nchunks(), d.nheads, d.headdim, d.dstate);
-    let tf32 = ops.f.tf32;
-    let x_r = ops.x_c((b, h), g, tf32);
+    let operands = ops.f.operands;
+    let x_r = ops.x_c((b, h), g, operands);
     let off = ((b * nc + c) * nh + h) * hd * ds;
-    let sbar = rows_copy(sp, off, ds, (hd, ds), tf32);
+    let sbar = rows_copy(sp, off, ds, (hd, ds), operands);
     let w = g.w();
     let mut db = vec![T::zero(); g.l * ds];
     gemm(
@@ -1286,8 +1274,8 @@ pub fn bwd_ddA_cumsum<T: Real>(
             let g0 = ChunkGeo::new(&ops.f, (b, c, grp * hpg));
             let gm = ops.gram((b, grp), &g0);
             let l = g0.l;
-            let c_raw = ops.bc_c(true, (b, grp), &g0, false);
-            let b_raw = ops.bc_c(false, (b, grp), &g0, false);
+            let c_raw = ops.bc_c(true, (b, grp), &g0, MatmulPrecision::Native);
+            let b_raw = ops.bc_c(false, (b, grp), &g0, MatmulPrecision::Native);
             (0..hpg)
                 .map(|hh| {
                     let h = grp * hpg + hh;

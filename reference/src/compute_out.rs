@@ -26,7 +26,8 @@
 //! Under [`MatmulPrecision::Tf32`] every operand of the three matrix products is rounded to
 //! TF32 ([`Real::round_tf32`]): `C_c` and `B_c` for `G`; `C_c` and `S_c` for the carried
 //! term; the finished `Lmat` (after decay, `dt'` and masks) and `x_c` for `Lmat x_c`. `G`, the
-//! decays, the accumulations, the `D` term and the gate stay in `T`.
+//! decays, the accumulations, the `D` term and the gate stay in `T`. [`MatmulPrecision::Bf16`]
+//! rounds the same operands to bfloat16.
 use ndarray::{Array4, Array5, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
@@ -35,7 +36,6 @@ use crate::flat::{copy_x_c, Flat};
 use crate::gemm::{gemm, Epilogue, Mat, Tri};
 use crate::problem::gate;
 use crate::scratch::{scratch, OutScratch};
-use crate::tf32::round_all;
 use crate::transpose::{transpose_into, Cell};
 use crate::{MatmulPrecision, Problem, Real};
 
@@ -165,7 +165,7 @@ fn out_block_body<T: Real, O: Cell<T>>(
     let hpg = d.heads_per_group();
     let t0 = c * p.options().chunk_size;
     let l = p.chunk_len(c);
-    let tf32 = f.tf32;
+    let operands = f.operands;
     let seq = &mut sc.seq;
     seq.clear();
     seq.extend((t0..t0 + l).map(|t| p.seq_idx_at(b, t)));
@@ -179,15 +179,15 @@ fn out_block_body<T: Real, O: Cell<T>>(
     let bc_rs = d.ngroups * ds;
     let b_t = scratch(&mut sc.b_t, ds * l);
     transpose_into((l, ds), f.b(), bc_off, bc_rs, b_t);
-    let (c_c, b_t): (Mat<T>, &[T]) = if tf32 {
+    let (c_c, b_t): (Mat<T>, &[T]) = if operands.rounds() {
         let c_copy = scratch(&mut sc.c_copy, l * ds);
         for (dst, j) in c_copy.chunks_exact_mut(ds).zip(0..) {
             dst.copy_from_slice(&f.c()[bc_off + j * bc_rs..][..ds]);
         }
-        round_all(c_copy);
+        operands.round_all(c_copy);
         let b_t_r = scratch(&mut sc.b_t_r, ds * l);
         b_t_r.copy_from_slice(b_t);
-        round_all(b_t_r);
+        operands.round_all(b_t_r);
         (Mat::rows(c_copy, ds), b_t_r)
     } else {
         // C_c in place: the products read it as their `a` operand, four rows at a time.
@@ -232,16 +232,14 @@ fn out_block_body<T: Real, O: Cell<T>>(
         let s_t: &[T] = match states {
             HeadStates::Rows(s) => {
                 transpose_into((hd, ds), s, k * hd * ds, ds, s_t_buf);
-                if tf32 {
-                    round_all(s_t_buf);
-                }
+                operands.round_all(s_t_buf);
                 &*s_t_buf
             }
             HeadStates::Transposed(s) => {
                 let s = &s[k * ds * hd..(k + 1) * ds * hd];
-                if tf32 {
+                if operands.rounds() {
                     s_t_buf.copy_from_slice(s);
-                    round_all(s_t_buf);
+                    operands.round_all(s_t_buf);
                     &*s_t_buf
                 } else {
                     s
@@ -287,9 +285,7 @@ fn out_block_body<T: Real, O: Cell<T>>(
                     };
                 }
             }
-            if tf32 {
-                round_all(lrow);
-            }
+            operands.round_all(lrow);
         }
         between();
         // Y += Lmat x_c
@@ -315,8 +311,8 @@ fn out_block_body<T: Real, O: Cell<T>>(
         for (r, (mut orow, yrow)) in o.outer_iter_mut().zip(y.chunks_exact(hd)).enumerate() {
             let off = x_off + r * x_rs;
             // x_c's row from the chunk's contiguous copy (in cache), unless that copy was
-            // rounded to TF32: the D term takes x itself.
-            let x_row = if tf32 {
+            // rounded: the D term takes x itself.
+            let x_row = if operands.rounds() {
                 &x_flat[off..off + hd]
             } else {
                 &x_copy[r * hd..(r + 1) * hd]

@@ -8,7 +8,8 @@ use crate::{MatmulPrecision, Problem, Real};
 
 pub(crate) struct Flat<'a, T: Real> {
     pub p: &'a Problem<T>,
-    pub tf32: bool,
+    /// How matrix-product operands are rounded.
+    pub operands: MatmulPrecision,
     x: CowArray<'a, T, Ix4>,
     b: CowArray<'a, T, Ix4>,
     c: CowArray<'a, T, Ix4>,
@@ -28,7 +29,7 @@ impl<'a, T: Real> Flat<'a, T> {
         let i = p.inputs();
         Flat {
             p,
-            tf32: precision == MatmulPrecision::Tf32,
+            operands: precision,
             x: i.x.as_standard_layout(),
             b: i.B.as_standard_layout(),
             c: i.C.as_standard_layout(),
@@ -85,8 +86,8 @@ impl<'a, T: Real> Flat<'a, T> {
     }
 }
 
-/// `dst = x_c` (`L x headdim`, row-major) of row `b`, chunk `c`, head `h`, rounded to TF32
-/// under [`MatmulPrecision::Tf32`]: a contiguous copy (rows of `x` are `nheads * headdim`
+/// `dst = x_c` (`L x headdim`, row-major) of row `b`, chunk `c`, head `h`, rounded as
+/// [`MatmulPrecision::round`] under the path's precision: a contiguous copy (rows of `x` are `nheads * headdim`
 /// apart; used in place they would compete for the same cache sets).
 pub(crate) fn copy_x_c<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize), dst: &mut [T]) {
     let p = f.p;
@@ -97,7 +98,5 @@ pub(crate) fn copy_x_c<T: Real>(f: &Flat<'_, T>, (b, c, h): (usize, usize, usize
         let off = f.x_off(b, t0 + j, h);
         row.copy_from_slice(&x_flat[off..off + hd]);
     }
-    if f.tf32 {
-        crate::tf32::round_all(dst);
-    }
+    f.operands.round_all(dst);
 }

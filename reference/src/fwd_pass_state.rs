@@ -33,8 +33,9 @@
 //! reset-aware state after token `c * chunk_size - 1`.
 //!
 //! Under [`MatmulPrecision::Tf32`] the two operands of the chunk-state product, `x_c` and the
-//! already-scaled `diag(w) B_c`, are rounded to TF32 ([`Real::round_tf32`]); `w` itself, the
-//! product's accumulation and the state pass stay in `T`.
+//! already-scaled `diag(w) B_c`, are rounded to TF32 ([`Real::round_tf32`]; to bfloat16 under
+//! [`MatmulPrecision::Bf16`]); `w` itself, the product's accumulation and the state pass stay
+//! in `T`.
 use ndarray::{s, Array4, Array5, ArrayView2, ArrayViewMut3, Axis};
 use rayon::prelude::*;
 
@@ -42,7 +43,6 @@ use crate::chunk_cumsum::ChunkCumsum;
 use crate::flat::{copy_x_c, Flat};
 use crate::gemm::{gemm, Epilogue, Mat, Tri};
 use crate::scratch::scratch;
-use crate::tf32::round_all;
 use crate::{MatmulPrecision, Problem, Real};
 
 /// Output of [`fwd_pass_state`].
@@ -150,9 +150,7 @@ pub(crate) fn local_state_with_x<T: Real>(
             *o = v * wj;
         }
     }
-    if f.tf32 {
-        round_all(wb);
-    }
+    f.operands.round_all(wb);
     // x_c^T: entry (p, j) = x_c[j, p]
     let xt = Mat {
         data: x_c,
@@ -218,9 +216,7 @@ pub(crate) fn local_state_t<T: Real>(
             *o = v * wj;
         }
     }
-    if f.tf32 {
-        round_all(wbt);
-    }
+    f.operands.round_all(wbt);
     gemm(
         (ds, hd, l),
         Mat::rows(wbt, l),

@@ -17,8 +17,8 @@
 //!
 //! All of them are generic over `f32` and `f64` ([`Real`]) and parallel over independent work with
 //! rayon's global pool; results do not depend on the number of threads. The chunked path can
-//! round every matrix-product operand to TF32 ([`MatmulPrecision::Tf32`]) to emulate a correct
-//! TF32 tensor-core kernel.
+//! round every matrix-product operand to TF32 ([`MatmulPrecision::Tf32`]) or bfloat16
+//! ([`MatmulPrecision::Bf16`]) to emulate a correct TF32 or bf16 tensor-core kernel.
 //!
 //! The chunked path's matrix products are a small register-tiled kernel that reads its operands
 //! in place (every entry a chain of fused multiply-adds in increasing `k`), and its decays use a
@@ -84,6 +84,9 @@ pub trait Real:
     /// Rounds to the nearest TF32 value (10 explicit mantissa bits, ties away from zero); see
     /// [`tf32`].
     fn round_tf32(self) -> Self;
+    /// Rounds to the nearest bfloat16 value (7 explicit mantissa bits, ties to even), kept in
+    /// `Self`; beyond bfloat16's range it overflows to infinity as the conversion does.
+    fn round_bf16(self) -> Self;
     /// Replaces every entry of `values` by its exponential, in vectorised code (within 2 ulp of
     /// the C library's `exp`; `exp(0) = 1` exactly). The chunked path's decays use it.
     fn exp_all(values: &mut [Self]);
@@ -109,6 +112,10 @@ impl Real for f64 {
         tf32::round_f64(self)
     }
     #[inline]
+    fn round_bf16(self) -> Self {
+        half::bf16::from_f64(self).to_f64()
+    }
+    #[inline]
     fn exp_all(values: &mut [Self]) {
         vexp::exp_f64(values);
     }
@@ -132,6 +139,10 @@ impl Real for f32 {
         tf32::round_f32(self)
     }
     #[inline]
+    fn round_bf16(self) -> Self {
+        half::bf16::from_f32(self).to_f32()
+    }
+    #[inline]
     fn exp_all(values: &mut [Self]) {
         vexp::exp_f32(values);
     }
@@ -151,6 +162,46 @@ pub enum MatmulPrecision {
     /// zero, as `cvt.rna.tf32.f32` does) before the product; accumulation stays in `T`.
     /// Meant for `T = f32`: a correct TF32 tensor-core kernel computes this.
     Tf32,
+    /// Every operand rounded to bfloat16 (8 significant bits, round to nearest, ties to even,
+    /// as `__float2bfloat16_rn` and PyTorch's `.to(torch.bfloat16)` do) before the product;
+    /// accumulation stays in `T`. A bf16 tensor-core kernel (`mma` m16n8k16 bf16, f32
+    /// accumulation) computes this from its bf16 operands, as mamba_ssm's kernels do with bf16
+    /// inputs (each dot's operands cast to the inputs' dtype). Its inputs `x`, `B`, `C`, `z` are
+    /// bf16 values already: round them before (the checker's `--precision bf16` does).
+    Bf16,
+}
+
+impl MatmulPrecision {
+    /// `v` as a matrix-product operand under this precision: unchanged under
+    /// [`MatmulPrecision::Native`], else rounded to TF32 or bfloat16.
+    ///
+    /// ```
+    /// use ssd_reference::MatmulPrecision;
+    /// assert_eq!(MatmulPrecision::Native.round(1.0f32 + 2f32.powi(-12)), 1.0 + 2f32.powi(-12));
+    /// assert_eq!(MatmulPrecision::Tf32.round(1.0f32 + 2f32.powi(-12)), 1.0);
+    /// assert_eq!(MatmulPrecision::Bf16.round(1.0f32 + 3.0 * 2f32.powi(-9)), 1.0 + 2f32.powi(-7));
+    /// ```
+    #[inline]
+    pub fn round<T: Real>(self, v: T) -> T {
+        match self {
+            MatmulPrecision::Native => v,
+            MatmulPrecision::Tf32 => v.round_tf32(),
+            MatmulPrecision::Bf16 => v.round_bf16(),
+        }
+    }
+
+    /// Whether operands are rounded at all (anything but [`MatmulPrecision::Native`]).
+    #[inline]
+    pub fn rounds(self) -> bool {
+        self != MatmulPrecision::Native
+    }
+
+    /// Rounds every entry of `v` in place as [`MatmulPrecision::round`] does.
+    pub(crate) fn round_all<T: Real>(self, v: &mut [T]) {
+        if self.rounds() {
+            v.iter_mut().for_each(|x| *x = self.round(*x));
+        }
+    }
 }
 
 /// The two outputs every implementation produces.
@@ -220,5 +271,55 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod operand_rounding_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_agrees_between_f32_and_f64() {
+        let u = 2f32.powi(-8); // half of bf16's ulp at 1
+        assert_eq!(MatmulPrecision::Bf16.round(1.0f32 + u), 1.0); // tie to even (down)
+        assert_eq!(MatmulPrecision::Bf16.round(1.0f32 + 3.0 * u), 1.0 + 4.0 * u); // tie to even (up)
+        assert_eq!(
+            MatmulPrecision::Bf16.round(-(1.0f32 + 1.5 * u)),
+            -(1.0 + 2.0 * u)
+        );
+        assert!(MatmulPrecision::Bf16.round(f32::MAX).is_infinite());
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for _ in 0..100_000 {
+            let v: f32 = rng.random_range(-1e6f32..1e6) * 2f32.powi(rng.random_range(-60..40));
+            let r = MatmulPrecision::Bf16.round(v);
+            assert_eq!(r.to_bits() & 0xFFFF, 0, "{v}: 16 low bits kept");
+            assert!(((r - v) / v).abs() <= 2f32.powi(-8), "{v} -> {r}");
+            assert_eq!(MatmulPrecision::Bf16.round(v as f64), r as f64, "{v}");
+        }
+        assert_eq!(MatmulPrecision::Native.round(1.0f32 + u), 1.0 + u);
+        assert!(!MatmulPrecision::Native.rounds() && MatmulPrecision::Bf16.rounds());
+    }
+
+    #[test]
+    fn chunked_bf16_rounds_its_operands() {
+        use crate::random::{random_problem, ProblemSpec};
+        let p = random_problem(&ProblemSpec::full(Dims::new(1, 40, 2, 8, 1, 8), 16), 3)
+            .unwrap()
+            .cast::<f32>();
+        let native = chunked::forward(&p, MatmulPrecision::Native);
+        let bf16 = chunked::forward(&p, MatmulPrecision::Bf16);
+        let tf32 = chunked::forward(&p, MatmulPrecision::Tf32);
+        let diff = |a: &Array4<f32>, b: &Array4<f32>| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max)
+        };
+        let (db, dt) = (diff(&bf16.out, &native.out), diff(&tf32.out, &native.out));
+        // bf16 keeps 3 fewer bits than TF32: its operands err about 8 times as much.
+        assert!(db > 2.0 * dt && dt > 0.0, "bf16 {db} tf32 {dt}");
+        assert!(db < 0.1, "bf16 {db}");
     }
 }

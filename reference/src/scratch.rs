@@ -9,7 +9,8 @@ pub(crate) struct OutScratch<T> {
     pub(crate) c_copy: Vec<T>,
     /// `B_c^T` (`dstate x L`), not rounded.
     pub(crate) b_t: Vec<T>,
-    /// `B_c^T` rounded to TF32 (only under [`crate::MatmulPrecision::Tf32`]).
+    /// `B_c^T` rounded to TF32 or bfloat16 (only under [`crate::MatmulPrecision::Tf32`] and
+    /// [`crate::MatmulPrecision::Bf16`]).
     pub(crate) b_t_r: Vec<T>,
     pub(crate) gm: Vec<T>,
     pub(crate) lmat: Vec<T>,

@@ -56,11 +56,6 @@ pub fn round_f64(v: f64) -> f64 {
     f64::from_bits((v.to_bits() + HALF) & KEEP)
 }
 
-/// Rounds every entry to TF32 in place ([`crate::Real::round_tf32`]).
-pub(crate) fn round_all<T: crate::Real>(v: &mut [T]) {
-    v.iter_mut().for_each(|x| *x = x.round_tf32());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -230,6 +230,47 @@ fn tf32_with_naive_is_refused_before_any_work() {
 }
 
 #[test]
+fn bf16_with_naive_is_refused_before_any_work() {
+    let dir = scratch("bf16naive");
+    let case = write_full_case(&dir);
+    let out = dir.join("o.safetensors");
+    let o = run(&case, "naive", &out, &["--precision", "bf16"]);
+    assert_refused(&o, &["bf16", "--impl chunked"]);
+    assert_files(&dir, &["case.json", "case.safetensors"]);
+}
+
+/// The reference's bf16 emulation (bf16 inputs, bf16 operands) passes `check --precision
+/// bf16` and is refused at tf32, whose bound has no room for bf16's roundings.
+#[test]
+fn chunked_bf16_passes_at_bf16_and_is_refused_at_tf32() {
+    let dir = scratch("bf16chunked");
+    let case = write_full_case(&dir);
+    let out = dir.join("o.safetensors");
+    let o = run(&case, "chunked", &out, &["--precision", "bf16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let check = |precision: &str| {
+        oracle(&[
+            "check",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&out),
+            "--precision",
+            precision,
+        ])
+    };
+    let at_bf16 = check("bf16");
+    assert!(
+        at_bf16.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&at_bf16.stdout),
+        stderr(&at_bf16)
+    );
+    let at_tf32 = check("tf32");
+    assert_eq!(at_tf32.status.code(), Some(1), "{}", stderr(&at_tf32));
+}
+
+#[test]
 fn gpu_runs_or_says_no_cuda_in_one_line() {
     let dir = scratch("gpu");
     let case = write_full_case(&dir);

@@ -187,6 +187,10 @@ fn calibrate(n: usize, seed: u64) -> Stats {
         let fb = faults::forward(&pb, Fault::None, Rounding::Bf16);
         local.push(("plain bf16 @bf16", check((&fb).into(), Precision::Bf16)));
         hints.push(("plain bf16 @bf16", report((&fb).into(), Precision::Bf16)));
+        // The reference's own bf16 emulation: the chunked path with bf16 operands.
+        let cb = chunked::forward(&pb, MatmulPrecision::Bf16);
+        local.push(("chunked bf16 @bf16", check((&cb).into(), Precision::Bf16)));
+        hints.push(("chunked bf16 @bf16", report((&cb).into(), Precision::Bf16)));
         // The naive recurrence in f32 is the chunked algorithm with chunk size 1.
         let p1 = with_chunk(&p, 1);
         let oracle1 = Oracle::new(&p1);
@@ -211,7 +215,7 @@ fn calibrate(n: usize, seed: u64) -> Stats {
     stats.into_inner().expect("no poisoned lock")
 }
 
-const CORRECT: [&str; 8] = [
+const CORRECT: [&str; 9] = [
     "plain tf32-truncating @tf32",
     "chunked f64 @f64",
     "chunked f32 @f32",
@@ -219,6 +223,7 @@ const CORRECT: [&str; 8] = [
     "plain f64 @f64",
     "plain tf32 @tf32",
     "plain bf16 @bf16",
+    "chunked bf16 @bf16",
     "naive f32 @f32 (chunk 1)",
 ];
 

@@ -245,8 +245,10 @@ def intermediates(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     chunk_size]``, 0 past seqlen), ``dA_cumsum`` (same layout), ``states`` (each chunk's own
     state, before the state pass: ``[batch, nchunks, nheads, headdim, dstate]``),
     ``chunk_states`` (the state entering each chunk, same layout), ``final_states`` and ``out``.
-    ``precision``: ``"f64"`` (the reference of the intermediates), ``"f32"``, or ``"tf32"``
-    (f32 with every matrix-product operand rounded to TF32: what a correct TF32 kernel gives).
+    ``precision``: ``"f64"`` (the reference of the intermediates), ``"f32"``, ``"tf32"``
+    (f32 with every matrix-product operand rounded to TF32: what a correct TF32 kernel gives),
+    or ``"bf16"`` (``x``, ``B``, ``C``, ``z`` rounded to bfloat16, then every matrix-product
+    operand rounded to bfloat16: what a correct bf16 tensor-core kernel gives).
     """
     kw = _native_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                         dt_softplus, dt_limit)

@@ -247,7 +247,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         let mut rows = Vec::new();
         for path in &paths {
             pb.set_message(format!("{}: {}", shape.title, path.label));
-            let prepared = Prepared::new(&problem, path.precision);
+            let prepared = Prepared::new(&problem, path.precision)?;
             let (result, took) = compute(&prepared, path.imp, path.precision)?;
             pb.inc(1);
             rows.push((path, took, verdict(&result, &oracle, path)?));
@@ -328,7 +328,7 @@ struct Verdict {
 fn verdict(result: &Outputs<f64>, oracle: &Oracle, path: &Path) -> Result<Verdict, VerifyError> {
     let stored = match path.precision {
         Precision::F64 => Dtype::F64,
-        Precision::F32 | Precision::Tf32 => Dtype::F32,
+        Precision::F32 | Precision::Tf32 | Precision::Bf16 => Dtype::F32,
     };
     let check = |name, a: &ndarray::Array4<f64>| {
         oracle.compare(name, &a.clone().into_dyn(), stored, path.bound)

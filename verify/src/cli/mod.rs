@@ -169,6 +169,9 @@ pub enum Precision {
     F32,
     /// float32 with every matrix-product operand rounded to TF32 (chunked path only).
     Tf32,
+    /// float32 with `x`, `B`, `C`, `z` rounded to bfloat16 first and every matrix-product
+    /// operand rounded to bfloat16 (chunked path only): a bf16 tensor-core kernel's arithmetic.
+    Bf16,
 }
 
 impl Precision {
@@ -177,6 +180,7 @@ impl Precision {
             Precision::F64 => "f64",
             Precision::F32 => "f32",
             Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
         }
     }
 
@@ -184,7 +188,7 @@ impl Precision {
     pub fn store_dtype(self) -> FloatDtype {
         match self {
             Precision::F64 => FloatDtype::F64,
-            Precision::F32 | Precision::Tf32 => FloatDtype::F32,
+            Precision::F32 | Precision::Tf32 | Precision::Bf16 => FloatDtype::F32,
         }
     }
 }
@@ -195,10 +199,11 @@ impl Precision {
 /// [`VerifyError::Usage`] for TF32 with the naive path (it has no matrix products);
 /// [`VerifyError::Unavailable`] for the GPU while it is not wired in.
 pub fn check_combination(imp: Impl, precision: Precision) -> Result<(), VerifyError> {
-    if imp == Impl::Naive && precision == Precision::Tf32 {
-        return Err(VerifyError::Usage(
-            "--precision tf32 needs --impl chunked: the naive recurrence has no matrix products to round to TF32".into(),
-        ));
+    if imp == Impl::Naive && matches!(precision, Precision::Tf32 | Precision::Bf16) {
+        return Err(VerifyError::Usage(format!(
+            "--precision {} needs --impl chunked: the naive recurrence has no matrix products to round",
+            precision.name()
+        )));
     }
     if imp == Impl::Gpu {
         gpu_available()?;
@@ -250,11 +255,17 @@ pub enum Prepared<'a> {
 
 impl<'a> Prepared<'a> {
     /// Converts once, so that repeated timings measure the computation alone.
-    pub fn new(problem: &'a Problem<f64>, precision: Precision) -> Self {
-        match precision {
+    ///
+    /// # Errors
+    /// [`VerifyError::Usage`] when an input overflows bfloat16 (`--precision bf16`).
+    pub fn new(problem: &'a Problem<f64>, precision: Precision) -> Result<Self, VerifyError> {
+        Ok(match precision {
             Precision::F64 => Prepared::F64(problem),
             Precision::F32 | Precision::Tf32 => Prepared::F32(Box::new(problem.cast::<f32>())),
-        }
+            Precision::Bf16 => Prepared::F32(Box::new(
+                ssd_verify::fixture::round_inputs(problem, FloatDtype::BF16)?.cast::<f32>(),
+            )),
+        })
     }
 }
 
@@ -312,6 +323,7 @@ pub fn compute_reusing(
     check_combination(imp, precision)?;
     let matmul = match precision {
         Precision::Tf32 => MatmulPrecision::Tf32,
+        Precision::Bf16 => MatmulPrecision::Bf16,
         Precision::F64 | Precision::F32 => MatmulPrecision::Native,
     };
     Ok(match (imp, problem, previous) {

@@ -66,7 +66,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
     check_combination(args.implementation, precision)?;
     let problem = &loaded.case.problem;
     check_output_size(problem, args.implementation)?;
-    let prepared = Prepared::new(problem, precision);
+    let prepared = Prepared::new(problem, precision)?;
 
     let progress = (args.repeat > 1).then(|| {
         let pb = ProgressBar::new(u64::from(args.repeat));
@@ -267,13 +267,15 @@ fn run_packed(
                 p.name()
             )))
         }
-        (Impl::Naive, Precision::Tf32) => {
-            return Err(VerifyError::Usage(
-                "--precision tf32 needs --impl chunked: the naive recurrence has no matrix products to round to TF32".into(),
-            ))
+        (Impl::Naive, p @ (Precision::Tf32 | Precision::Bf16)) => {
+            return Err(VerifyError::Usage(format!(
+                "--precision {} needs --impl chunked: the naive recurrence has no matrix products to round",
+                p.name()
+            )))
         }
         (Impl::Naive, _) => Some(Algorithm::Naive),
         (Impl::Chunked, Precision::Tf32) => Some(Algorithm::Chunked(MatmulPrecision::Tf32)),
+        (Impl::Chunked, Precision::Bf16) => Some(Algorithm::Chunked(MatmulPrecision::Bf16)),
         (Impl::Chunked, _) => Some(Algorithm::Chunked(MatmulPrecision::Native)),
     };
     fn go<T: Real>(
@@ -325,7 +327,12 @@ fn run_packed(
             positions,
         )?,
         (Some(alg), _) => {
-            let (p, k) = (problem.cast::<f32>(), packing.cast::<f32>());
+            // A bf16 kernel reads x, B, C, z as bfloat16 values.
+            let p = match precision {
+                Precision::Bf16 => ssd_verify::fixture::round_inputs(problem, FloatDtype::BF16)?,
+                _ => problem.clone(),
+            };
+            let (p, k) = (p.cast::<f32>(), packing.cast::<f32>());
             go(
                 || serving::forward(&p, &k, alg).map_err(usage),
                 reps,
