@@ -44,15 +44,7 @@ impl Gpu {
             (d.nheads * ptiles) as u32,
             d.batch as u32,
         );
-        let sizes = StateSizes {
-            seqlen: int(d.seqlen),
-            nheads: int(d.nheads),
-            headdim: int(d.headdim),
-            ngroups: int(d.ngroups),
-            dstate: int(d.dstate),
-            chunk_size: int(o.chunk_size),
-            nchunks: int(nchunks),
-        };
+        let sizes = StateSizes::new(&d, &o);
         let d_per_channel = i32::from(inputs.D.as_ref().is_some_and(|v| v.len() != d.nheads));
         let has_initial_states = i32::from(inputs.initial_states.is_some());
         if let Some(scores) = outputs.scores.as_mut() {

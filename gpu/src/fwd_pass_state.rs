@@ -52,15 +52,7 @@ impl Gpu {
         let o = inputs.options;
         let nchunks = d.nchunks(o.chunk_size);
         let tiles = d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(TILE_N);
-        let sizes = StateSizes {
-            seqlen: int(d.seqlen),
-            nheads: int(d.nheads),
-            headdim: int(d.headdim),
-            ngroups: int(d.ngroups),
-            dstate: int(d.dstate),
-            chunk_size: int(o.chunk_size),
-            nchunks: int(nchunks),
-        };
+        let sizes = StateSizes::new(&d, &o);
         // 2a's tiles: two units (head, 64 headdim rows) of a group per block and 128 dstate
         // columns where `state_local_variant` allows, one unit and 128 columns above dstate 64,
         // else 64 columns (4 warps).

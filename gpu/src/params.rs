@@ -60,6 +60,22 @@ pub(crate) struct StateSizes {
     pub nchunks: i32,
 }
 
+impl StateSizes {
+    /// The sizes of a problem (already checked by `shape::check`, so that each fits an `int`).
+    pub(crate) fn new(d: &ssd_reference::Dims, o: &ssd_reference::Options) -> Self {
+        use crate::runtime::int;
+        StateSizes {
+            seqlen: int(d.seqlen),
+            nheads: int(d.nheads),
+            headdim: int(d.headdim),
+            ngroups: int(d.ngroups),
+            dstate: int(d.dstate),
+            chunk_size: int(o.chunk_size),
+            nchunks: int(d.nchunks(o.chunk_size)),
+        }
+    }
+}
+
 /// `ssd_chunk_state_local`, `ssd_chunk_state_local_wide` (`fwd_pass_state/local.cu`) and
 /// `ssd_chunk_state_local_pair` (`fwd_pass_state/pair.cu`).
 #[repr(C)]

@@ -248,15 +248,7 @@ impl Gpu {
         self.fwd_pass_state_with(inputs, seq, outputs)?;
         self.compute_out(inputs, outputs)?;
         let o = inputs.options;
-        let sizes = StateSizes {
-            seqlen: int(d.seqlen),
-            nheads: int(d.nheads),
-            headdim: int(d.headdim),
-            ngroups: int(d.ngroups),
-            dstate: int(d.dstate),
-            chunk_size: int(o.chunk_size),
-            nchunks: int(d.nchunks(o.chunk_size)),
-        };
+        let sizes = StateSizes::new(&d, &o);
         if let (Some(init), Some((ranges, nranges))) = (&packing.seq_init, &packing.ranges) {
             let mut args = Args::new(&self.stream);
             let params = SeqInitOutParams {
