@@ -18,7 +18,10 @@ fn contiguous<D: Dimension>(a: &Array<f32, D>) -> Cow<'_, [f32]> {
 }
 
 impl Gpu {
-    fn upload_array<D: Dimension>(&self, a: &Array<f32, D>) -> Result<CudaSlice<f32>, GpuError> {
+    pub(crate) fn upload_array<D: Dimension>(
+        &self,
+        a: &Array<f32, D>,
+    ) -> Result<CudaSlice<f32>, GpuError> {
         Ok(self.stream.clone_htod(contiguous(a).as_ref())?)
     }
 

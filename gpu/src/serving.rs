@@ -172,13 +172,11 @@ impl Gpu {
                 Ok(Some(self.stream.clone_htod(v)?))
             }
         };
-        let seq_init = match &packing.seq_initial_states {
-            Some(s) => Some(
-                self.stream
-                    .clone_htod(&s.iter().copied().collect::<Vec<f32>>())?,
-            ),
-            None => None,
-        };
+        let seq_init = packing
+            .seq_initial_states
+            .as_ref()
+            .map(|s| self.upload_array(s))
+            .transpose()?;
         let nranges = t.ranges.len() / 4;
         let packing_dev = DevicePacking {
             dims,
@@ -346,22 +344,29 @@ impl Gpu {
         packing: &DevicePacking,
         serving: &DeviceServingOutputs,
     ) -> Result<ServingOutput<f32>, GpuError> {
-        let o = self.download(outputs)?;
         let d = packing.dims;
-        let states = |n: usize, s: Option<&CudaSlice<f32>>| -> Result<Array4<f32>, GpuError> {
-            let v = match s {
-                Some(s) => self.stream.clone_dtoh(s)?,
-                None => Vec::new(),
-            };
-            self.synchronize()?;
-            Array4::from_shape_vec((n, d.nheads, d.headdim, d.dstate), v)
-                .map_err(|e| GpuError::Internal(format!("downloaded states: {e}")))
+        let get =
+            |s: &CudaSlice<f32>| -> Result<Vec<f32>, GpuError> { Ok(self.stream.clone_dtoh(s)?) };
+        let out = get(&outputs.out)?;
+        let fin = get(&outputs.final_states)?;
+        let var = get(&serving.varlen_states)?;
+        let pos = match &serving.position_states {
+            Some(s) => get(s)?,
+            None => Vec::new(),
+        };
+        self.synchronize()?;
+        let shape_err = |e: ndarray::ShapeError| {
+            GpuError::Internal(format!("downloaded buffer has the wrong length: {e}"))
+        };
+        let states = |n: usize, v: Vec<f32>| {
+            Array4::from_shape_vec((n, d.nheads, d.headdim, d.dstate), v).map_err(shape_err)
         };
         Ok(ServingOutput {
-            out: o.out,
-            final_states: o.final_states,
-            varlen_states: states(packing.nseq, Some(&serving.varlen_states))?,
-            position_states: states(packing.npositions, serving.position_states.as_ref())?,
+            out: Array4::from_shape_vec((1, d.seqlen, d.nheads, d.headdim), out)
+                .map_err(shape_err)?,
+            final_states: states(1, fin)?,
+            varlen_states: states(packing.nseq, var)?,
+            position_states: states(packing.npositions, pos)?,
         })
     }
 }

@@ -16,19 +16,25 @@ def upstream(kw, seed=1):
     return rng.standard_normal(x.shape), rng.standard_normal(init.shape)
 
 
-def test_gradients_equal_the_cli_grad_bit_for_bit(tmp_path):
-    kw = random_inputs(seed=3)
-    dout, dfin = upstream(kw)
-    g = ssd_oracle.gradients(dout, **kw, dfinal_states=dfin)
-    assert sorted(g) == sorted(["dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias",
-                                "dinitial_states"])
-    # The same case for the command line: the inputs as float64, plus dout and dfinal_states.
+def backward_case(tmp_path, kw, dout, dfin):
+    """The case for the command line: the inputs as float64, plus dout and dfinal_states."""
     case = tmp_path / "case.json"
     ssd_oracle.save_case(case, **kw)
     tensors = read_safetensors(tmp_path / "case.safetensors")
     tensors.update(dout=dout, dfinal_states=dfin)
     write_safetensors(tmp_path / "case.safetensors",
                       {k: v.astype(np.float64) for k, v in tensors.items()})
+    return case
+
+
+def test_gradients_equal_the_cli_grad_bit_for_bit(tmp_path):
+    kw = random_inputs(seed=3)
+    dout, dfin = upstream(kw)
+    g = ssd_oracle.gradients(dout, **kw, dfinal_states=dfin)
+    assert sorted(g) == sorted(["dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias",
+                                "dinitial_states"])
+    # The same case for the command line.
+    case = backward_case(tmp_path, kw, dout, dfin)
     out = tmp_path / "grads.safetensors"
     r = run_oracle("grad", "--case", case, "--out", out)
     assert r.returncode == 0, r.stderr
@@ -81,12 +87,7 @@ def test_check_gradients_matches_the_cli_and_refuses_a_wrong_gradient(tmp_path):
     kw = random_inputs(seed=5)
     dout, dfin = upstream(kw, seed=2)
     # What an f32 backward computes: the command line's f32 adjoint.
-    case = tmp_path / "case.json"
-    ssd_oracle.save_case(case, **kw)
-    tensors = read_safetensors(tmp_path / "case.safetensors")
-    tensors.update(dout=dout, dfinal_states=dfin)
-    write_safetensors(tmp_path / "case.safetensors",
-                      {k: v.astype(np.float64) for k, v in tensors.items()})
+    case = backward_case(tmp_path, kw, dout, dfin)
     out = tmp_path / "grads.safetensors"
     r = run_oracle("grad", "--case", case, "--out", out, "--precision", "f32")
     assert r.returncode == 0, r.stderr

@@ -49,6 +49,21 @@ pub struct Channels {
     pub tok: ArrayD<f64>,
 }
 
+impl Channels {
+    /// The channels in field order (`mag`, `acc`, `io`, `op`, `tok`).
+    fn from_five(v: impl IntoIterator<Item = ArrayD<f64>>) -> Self {
+        let mut it = v.into_iter();
+        let mut next = || it.next().expect("five channels");
+        Channels {
+            mag: next(),
+            acc: next(),
+            io: next(),
+            op: next(),
+            tok: next(),
+        }
+    }
+}
+
 /// The weighted magnitudes of the four outputs, and the scale of the underflow floor.
 #[allow(non_snake_case)]
 #[derive(Debug, Clone)]
@@ -301,17 +316,7 @@ fn magnitudes_with(p: &Problem<f64>, packing: Option<&Packing<f64>>) -> Magnitud
         .map(|v| Array4::from_shape_vec((bsz, nh, nc, l), v).expect("lane-major size"));
     let cs_mag = cs.next().expect("two channels");
     let cs_acc = cs.next().expect("two channels");
-    let channels = |v: Vec<ArrayD<f64>>| {
-        let mut it = v.into_iter();
-        let mut next = || it.next().expect("five channels");
-        Channels {
-            mag: next(),
-            acc: next(),
-            io: next(),
-            op: next(),
-            tok: next(),
-        }
-    };
+    let channels = Channels::from_five;
     let zeros = ArrayD::<f64>::zeros(cs_mag.shape());
     Magnitudes {
         out: channels(out),
@@ -333,22 +338,14 @@ fn magnitudes_with(p: &Problem<f64>, packing: Option<&Packing<f64>>) -> Magnitud
 /// Lane-major `[nheads, k, headdim, dstate]` buffers (batch 1) into `[k, nheads, headdim,
 /// dstate]` channels.
 fn states_channels(bufs: Vec<Vec<f64>>, k: usize, nh: usize, hd: usize, ds: usize) -> Channels {
-    let mut v = bufs.into_iter().map(|b| {
+    Channels::from_five(bufs.into_iter().map(|b| {
         Array4::from_shape_vec((nh, k, hd, ds), b)
             .expect("lane-major size")
             .permuted_axes([1, 0, 2, 3])
             .as_standard_layout()
             .into_owned()
             .into_dyn()
-    });
-    let mut next = || v.next().expect("five channels");
-    Channels {
-        mag: next(),
-        acc: next(),
-        io: next(),
-        op: next(),
-        tok: next(),
-    }
+    }))
 }
 
 crate::simd::multiversion! {

@@ -63,21 +63,6 @@ fn per_tensor(
         .collect()
 }
 
-fn to_f64(g: &Gradients<f32>) -> Gradients<f64> {
-    let c4 = |a: &Array4<f32>| a.mapv(f64::from);
-    Gradients {
-        dx: c4(&g.dx),
-        ddt: g.ddt.mapv(f64::from),
-        dA: g.dA.mapv(f64::from),
-        dB: c4(&g.dB),
-        dC: c4(&g.dC),
-        dD: g.dD.as_ref().map(|a| a.mapv(f64::from)),
-        dz: g.dz.as_ref().map(c4),
-        ddt_bias: g.ddt_bias.as_ref().map(|a| a.mapv(f64::from)),
-        dinitial_states: g.dinitial_states.as_ref().map(c4),
-    }
-}
-
 /// The largest `|cs|` of any chunk: `sum |dt' A|` over a chunk.
 fn cs_max(p: &Problem<f64>) -> f64 {
     let d = *p.dims();
@@ -130,13 +115,14 @@ fn backward32(
 ) -> Gradients<f64> {
     let d32 = dout.mapv(|v| v as f32);
     let f32s = fin.map(|f| f.mapv(|v| v as f32));
-    to_f64(&backward(
+    backward(
         &p.cast::<f32>(),
         d32.view(),
         f32s.as_ref().map(|f| f.view()),
         fault,
         r,
-    ))
+    )
+    .to_f64()
 }
 
 fn adjoint_of(p: &Problem<f64>, dout: &Array4<f64>, fin: Option<&Array4<f64>>) -> Gradients<f64> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use ssd_reference::serving::{self, Algorithm, Packing, ServingOutput};
-use ssd_reference::{MatmulPrecision, Real};
+use ssd_reference::{MatmulPrecision, Problem, Real};
 use ssd_verify::fixture::{self, FloatDtype, LoadedCase, Outputs, TensorWriter};
 use ssd_verify::VerifyError;
 
@@ -278,8 +278,10 @@ fn run_packed(
         (Impl::Chunked, Precision::Bf16) => Some(Algorithm::Chunked(MatmulPrecision::Bf16)),
         (Impl::Chunked, _) => Some(Algorithm::Chunked(MatmulPrecision::Native)),
     };
+    /// Runs `compute` (which returns the outputs and the milliseconds of the computation
+    /// alone) `repeat` times and writes the last outputs.
     fn go<T: Real>(
-        compute: impl Fn() -> Result<ServingOutput<T>, VerifyError>,
+        mut compute: impl FnMut() -> Result<(ServingOutput<T>, f64), VerifyError>,
         repeat: u32,
         w: &mut TensorWriter,
         dtype: FloatDtype,
@@ -288,9 +290,9 @@ fn run_packed(
         let mut times = Vec::new();
         let mut last = None;
         for _ in 0..repeat {
-            let t0 = std::time::Instant::now();
-            last = Some(compute()?);
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            let (o, ms) = compute()?;
+            times.push(ms);
+            last = Some(o);
         }
         let o = last.expect("repeat >= 1");
         w.push("out", &o.out, dtype);
@@ -301,26 +303,52 @@ fn run_packed(
         }
         Ok(times)
     }
-    let usage = |e: ssd_reference::ReferenceError| VerifyError::Usage(e.to_string());
+    /// The reference on the CPU, timed.
+    fn cpu<T: Real>(
+        p: &Problem<T>,
+        k: &Packing<T>,
+        alg: Algorithm,
+    ) -> Result<(ServingOutput<T>, f64), VerifyError> {
+        let t0 = std::time::Instant::now();
+        let o = serving::forward(p, k, alg).map_err(|e| VerifyError::Usage(e.to_string()))?;
+        Ok((o, t0.elapsed().as_secs_f64() * 1e3))
+    }
+    fn gpu_err(e: ssd_gpu::GpuError) -> VerifyError {
+        match e {
+            ssd_gpu::GpuError::Unsupported(m) => VerifyError::Usage(m),
+            e => VerifyError::Unavailable(e.to_string()),
+        }
+    }
     let mut w = TensorWriter::new();
     let dtype = precision.store_dtype();
     let reps = args.repeat;
     let positions = !packing.state_positions.is_empty();
     let times = match (algorithm, precision) {
         (None, _) => {
+            // Uploaded once; each repeat times the kernels alone (launch to synchronisation).
             let (p, k) = (problem.cast::<f32>(), packing.cast::<f32>());
             let gpu = ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env())
                 .map_err(|e| VerifyError::Unavailable(e.to_string()))?;
+            let (inputs, dev) = gpu.upload_packed(&p, &k).map_err(gpu_err)?;
+            let mut outs = gpu
+                .alloc_outputs(&inputs.dims, &inputs.options)
+                .map_err(gpu_err)?;
+            let mut serv = gpu.alloc_serving_outputs(&dev).map_err(gpu_err)?;
             let compute = || {
-                gpu.forward_packed(&p, &k).map_err(|e| match e {
-                    ssd_gpu::GpuError::Unsupported(m) => VerifyError::Usage(m),
-                    e => VerifyError::Unavailable(e.to_string()),
-                })
+                let t0 = std::time::Instant::now();
+                gpu.forward_packed_into(&inputs, &dev, &mut outs, &mut serv)
+                    .map_err(gpu_err)?;
+                gpu.synchronize().map_err(gpu_err)?;
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                Ok((
+                    gpu.download_packed(&outs, &dev, &serv).map_err(gpu_err)?,
+                    ms,
+                ))
             };
             go(compute, reps, &mut w, dtype, positions)?
         }
         (Some(alg), Precision::F64) => go(
-            || serving::forward(problem, packing, alg).map_err(usage),
+            || cpu(problem, packing, alg),
             reps,
             &mut w,
             dtype,
@@ -329,17 +357,13 @@ fn run_packed(
         (Some(alg), _) => {
             // A bf16 kernel reads x, B, C, z as bfloat16 values.
             let p = match precision {
-                Precision::Bf16 => ssd_verify::fixture::round_inputs(problem, FloatDtype::BF16)?,
-                _ => problem.clone(),
+                Precision::Bf16 => {
+                    ssd_verify::fixture::round_inputs(problem, FloatDtype::BF16)?.cast::<f32>()
+                }
+                _ => problem.cast::<f32>(),
             };
-            let (p, k) = (p.cast::<f32>(), packing.cast::<f32>());
-            go(
-                || serving::forward(&p, &k, alg).map_err(usage),
-                reps,
-                &mut w,
-                dtype,
-                positions,
-            )?
+            let k = packing.cast::<f32>();
+            go(|| cpu(&p, &k, alg), reps, &mut w, dtype, positions)?
         }
     };
     w.write(&args.out)?;
