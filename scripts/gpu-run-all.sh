@@ -5,11 +5,14 @@
 #    reference, fixtures, reproducibility, refusals;
 # 2. compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the fixed sanitizer
 #    shapes (ragged seqlen, seq_idx, ngroups > 1, every option, dstate 256, chunk 256 and the
-#    largest chunk size) and the fixed packed (serving) shapes;
-# 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, when the CLI has it;
+#    largest chunk size), the fixed packed (serving) shapes and the fixed bf16 shapes;
+# 3. ssd-oracle run --impl gpu + check --precision tf32 on each fixture, and the same at
+#    --precision bf16 on each unpacked one, when the CLI has it;
 # 4. the Python package's pytest suite (when the bundle has its wheel), mamba_ssm's Triton forward
 #    checked in-process among it;
-# 5. the benchmark against mamba_ssm's Triton forward (skipped with --quick and --no-bench;
+# 5. the benchmark, f32 and bf16, against the anchors (mamba_ssm's and vLLM's Triton forwards,
+#    fp32 and bf16) in $SSD_TRITON_ROUNDS processes (default 2; SSD_TRITON_DTYPES=fp32 or bf16
+#    times one dtype's anchors alone, a shorter run) (skipped with --quick and --no-bench;
 #    --bench-only runs it alone);
 # --quick also cuts the fuzz suite to 200 cases (SSD_GPU_CASES overrides).
 # then prints a summary table last. Logs go to $SSD_LOG_DIR (default: logs/ beside this file),
@@ -63,7 +66,7 @@ if command -v compute-sanitizer >/dev/null; then
     step "sanitizer-$tool" 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
       compute-sanitizer --tool "$tool" --error-exitcode 99 \
       bin/cargo-nextest nextest run --archive-file tests.tar.zst --workspace-remap workspace \
-      --no-capture -E '(binary_id(ssd-verify::gpu_fuzz) & test(=gpu_sanitizer_shapes)) | (binary_id(ssd-verify::gpu_packed) & test(=gpu_packed_sanitizer_shapes))'
+      --no-capture -E '(binary_id(ssd-verify::gpu_fuzz) & test(=gpu_sanitizer_shapes)) | (binary_id(ssd-verify::gpu_packed) & test(=gpu_packed_sanitizer_shapes)) | (binary_id(ssd-verify::gpu_bf16) & test(=gpu_bf16_sanitizer_shapes))'
   done
 else
   rows+=("compute-sanitizer          MISSING")
@@ -80,6 +83,19 @@ if [ -x bin/ssd-oracle ] && [ -d fixtures ]; then
         ! bin/ssd-oracle check --case "$case" --candidate "$tmp/c.safetensors" --precision tf32; then
         fail=$((fail + 1))
         echo "FAILED: $case"
+      fi
+      # bf16: unpacked cases (the command refuses a packed one in one line, and says so).
+      if ! bin/ssd-oracle run --case "$case" --impl gpu --precision bf16 --out "$tmp/c.safetensors" 2>"$tmp/err"; then
+        grep -q 'packed cases in tf32 only' "$tmp/err" && continue
+        cat "$tmp/err"
+        fail=$((fail + 1))
+        echo "FAILED (bf16): $case"
+        continue
+      fi
+      n=$((n + 1))
+      if ! bin/ssd-oracle check --case "$case" --candidate "$tmp/c.safetensors" --precision bf16; then
+        fail=$((fail + 1))
+        echo "FAILED (bf16): $case"
       fi
     done
     echo "oracle: $n cases, $fail failing"
@@ -104,7 +120,7 @@ if [ $bench = 1 ]; then
     [ -x "$b" ] || continue
     step "$(basename "$b")" 'BENCH_JSON|skipped' "$b" --reps 30
     step triton-table '^\| \(|^\| 64|ceilings|unavailable' env PYTHONPATH="$here/anchors:$here/anchors/vllm_pkg${PYTHONPATH:+:$PYTHONPATH}" \
-      python3 gpu_bench_table.py "$logs/all/$(basename "$b").log"
+      python3 gpu_bench_table.py "$logs/all/$(basename "$b").log" --rounds "${SSD_TRITON_ROUNDS:-2}" --dtypes "${SSD_TRITON_DTYPES:-fp32,bf16}"
   done
 fi
 
@@ -112,7 +128,7 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures):? .*' "$logs"/all/test-*.log 2>/dev/null
+grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures|bf16 [a-z ]+):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 if [ -f "$logs/all/triton-table.log" ]; then
   grep -E '^\||ceilings|^Triton|^Serving' "$logs/all/triton-table.log"

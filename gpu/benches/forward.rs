@@ -1,8 +1,10 @@
 //! Times the GPU forward on the shapes of the speed issue, with CUDA events: warm-up, then the
 //! median of many runs, input sets rotated so that the 60 MB L2 does not flatter us, random
-//! non-zero data from `ssd_reference::random::random_problem` (fp32 inputs, TF32 products, dt
-//! already activated, D per head, initial states in, final states out). Also each stage's
-//! share. Prints a table and one `BENCH_JSON {...}` line per shape for scripts.
+//! non-zero data from `ssd_reference::random::random_problem` (dt already activated, D per
+//! head, initial states in, final states out), once with fp32 activations (TF32 products) and
+//! once with bf16 activations (`x`, `B`, `C`, `out` in bf16, bf16 products). Also each stage's
+//! share. Prints a table and one `BENCH_JSON {...}` line per shape and dtype for scripts
+//! (`"dtype"`: `"f32"` or `"bf16"`).
 //!
 //! Then the serving shape: 64 requests of 19 to 3,982 tokens (64,783 in all) packed into one row
 //! at the 2.7B layer's sizes, through the packed path (`Gpu::forward_packed_into`: `out`, the
@@ -16,10 +18,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
-use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError};
+use ssd_gpu::{Bf16, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError, IoElement};
 use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SpecRng};
 use ssd_reference::serving::Packing;
-use ssd_reference::{Dims, Options};
+use ssd_reference::{Dims, Options, Problem};
 
 /// (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 const SHAPES: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
@@ -30,7 +32,7 @@ const SHAPES: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
     (4, 65536, 8, 64, 256, 1, 128),
 ];
 
-fn inputs(gpu: &Gpu, dims: Dims, options: Options, seed: u64) -> Result<DeviceInputs, GpuError> {
+fn problem(dims: Dims, options: Options, seed: u64) -> Result<Problem<f32>, GpuError> {
     let spec = ProblemSpec {
         options,
         d: DSkip::PerHead,
@@ -39,7 +41,25 @@ fn inputs(gpu: &Gpu, dims: Dims, options: Options, seed: u64) -> Result<DeviceIn
     };
     let problem = random_problem(&spec, seed)
         .map_err(|e| GpuError::Unsupported(format!("random problem: {e}")))?;
-    gpu.upload(&problem.cast::<f32>())
+    Ok(problem.cast::<f32>())
+}
+
+/// The inputs with activations in `T`.
+trait Upload: IoElement {
+    const NAME: &'static str;
+    fn upload(gpu: &Gpu, p: &Problem<f32>) -> Result<DeviceInputs<Self>, GpuError>;
+}
+impl Upload for f32 {
+    const NAME: &'static str = "f32";
+    fn upload(gpu: &Gpu, p: &Problem<f32>) -> Result<DeviceInputs<f32>, GpuError> {
+        gpu.upload(p)
+    }
+}
+impl Upload for Bf16 {
+    const NAME: &'static str = "bf16";
+    fn upload(gpu: &Gpu, p: &Problem<f32>) -> Result<DeviceInputs<Bf16>, GpuError> {
+        gpu.upload_bf16(p)
+    }
 }
 
 fn median(mut v: Vec<f32>) -> f64 {
@@ -61,7 +81,7 @@ impl Events {
     }
 }
 
-fn bench(
+fn bench<T: Upload>(
     gpu: &Gpu,
     shape: (usize, usize, usize, usize, usize, usize, usize),
     reps: usize,
@@ -73,19 +93,19 @@ fn bench(
         dt_softplus: false,
         dt_limit: (0.0, f64::INFINITY),
     };
-    // Minimal bytes: read x, dt, B, C, initial states once; write out and final states once.
-    let f = 4.0;
-    let bytes = f
-        * (2.0 * (batch * seqlen * nheads * headdim) as f64
-            + (batch * seqlen * nheads) as f64
-            + 2.0 * (batch * seqlen * ngroups * dstate) as f64
-            + 2.0 * (batch * nheads * headdim * dstate) as f64);
+    // Minimal bytes: read x, dt, B, C, initial states once; write out and final states once
+    // (x, B, C and out in T, the rest f32).
+    let (f, a) = (4.0, std::mem::size_of::<T>() as f64);
+    let bytes = a * (2.0 * (batch * seqlen * nheads * headdim) as f64)
+        + f * (batch * seqlen * nheads) as f64
+        + a * (2.0 * (batch * seqlen * ngroups * dstate) as f64)
+        + f * (2.0 * (batch * nheads * headdim * dstate) as f64);
     let set_bytes = bytes;
     let sets = ((3.0 * 60e6 / set_bytes).ceil() as usize).clamp(2, 8);
-    let ins: Vec<DeviceInputs> = (0..sets)
-        .map(|k| inputs(gpu, dims, options, 1000 + 10 * k as u64))
+    let ins: Vec<DeviceInputs<T>> = (0..sets)
+        .map(|k| T::upload(gpu, &problem(dims, options, 1000 + 10 * k as u64)?))
         .collect::<Result<_, _>>()?;
-    let mut outs: DeviceOutputs = gpu.alloc_outputs(&dims, &options)?;
+    let mut outs: DeviceOutputs<T> = gpu.alloc_outputs(&dims, &options)?;
     for k in 0..3 {
         gpu.forward_into(&ins[k % sets], &mut outs)?;
     }
@@ -113,12 +133,13 @@ fn bench(
     let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
     let gbs = bytes / (t * 1e-3) / 1e9;
     println!(
-        "{:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels 2a {state_kernel}, output {out_kernel}",
-        batch, seqlen, nheads, headdim, dstate, ngroups, chunk, t,
+        "{:>4} {:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels 2a {state_kernel}, output {out_kernel}",
+        T::NAME, batch, seqlen, nheads, headdim, dstate, ngroups, chunk, t,
         100.0 * a / (a + b + c), 100.0 * b / (a + b + c), 100.0 * c / (a + b + c), gbs
     );
     Ok(format!(
-        "{{\"shape\":[{batch},{seqlen},{nheads},{headdim},{dstate},{ngroups},{chunk}],\"ours_ms\":{t:.4},\"cumsum_ms\":{a:.4},\"state_ms\":{b:.4},\"out_ms\":{c:.4},\"state_kernel\":\"{state_kernel}\",\"out_kernel\":\"{out_kernel}\",\"min_bytes\":{bytes:.0},\"reps\":{reps},\"input_sets\":{sets}}}"
+        "{{\"dtype\":\"{}\",\"shape\":[{batch},{seqlen},{nheads},{headdim},{dstate},{ngroups},{chunk}],\"ours_ms\":{t:.4},\"cumsum_ms\":{a:.4},\"state_ms\":{b:.4},\"out_ms\":{c:.4},\"state_kernel\":\"{state_kernel}\",\"out_kernel\":\"{out_kernel}\",\"min_bytes\":{bytes:.0},\"reps\":{reps},\"input_sets\":{sets}}}",
+        T::NAME
     ))
 }
 
@@ -248,7 +269,7 @@ fn main() {
         }
     };
     println!(
-        "ssd-gpu forward on {} ({}, {:?}), fp32 inputs, TF32 products, median of {reps} (CUDA events)",
+        "ssd-gpu forward on {} ({}, {:?}), f32 activations with TF32 products, then bf16 activations with bf16 products, median of {reps} (CUDA events)",
         gpu.device_name(),
         gpu.target(),
         gpu.config().variant
@@ -263,15 +284,22 @@ fn main() {
         }
         Err(e) => println!("kernel resources unavailable: {e}"),
     }
-    println!(" b      L   H   P    N  G    Q");
+    println!("dtype b      L   H   P    N  G    Q");
     let mut json = Vec::new();
-    for (k, shape) in SHAPES.into_iter().enumerate() {
-        if only.is_some_and(|o| o != k) {
-            continue;
-        }
-        match bench(&gpu, shape, reps) {
-            Ok(j) => json.push(j),
-            Err(e) => println!("{shape:?}: {e}"),
+    for bf16 in [false, true] {
+        for (k, shape) in SHAPES.into_iter().enumerate() {
+            if only.is_some_and(|o| o != k) {
+                continue;
+            }
+            let got = if bf16 {
+                bench::<Bf16>(&gpu, shape, reps)
+            } else {
+                bench::<f32>(&gpu, shape, reps)
+            };
+            match got {
+                Ok(j) => json.push(j),
+                Err(e) => println!("{shape:?}: {e}"),
+            }
         }
     }
     for j in json {

@@ -1,7 +1,7 @@
 // Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/),
 // in place of kernels/ptx.cuh (every helper of that file is emulated here under its name):
 // a block runs as blockDim host threads with std::barrier for __syncthreads/__syncwarp;
-// mma.sync m16n8k8 TF32 is emulated warp-wide through a per-warp scratch (f32 sums in k order,
+// mma.sync m16n8k8 TF32 and m16n8k16 BF16 are emulated warp-wide through a per-warp scratch (f32 sums in k order,
 // so only comparisons between kernel versions are meaningful, not bits against the GPU);
 // cp.async copies are queued per thread and done at cp.async.wait_group, so a read before the
 // wait sees stale data; dynamic shared memory starts as NaN.
@@ -38,7 +38,7 @@ inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
-struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; };
+struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; float A16[16][16]; float B16[16][8]; };
 struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
 extern thread_local dim3e threadIdx, blockIdx, blockDim;
 extern thread_local BlockCtx* g_blk;
@@ -60,6 +60,32 @@ inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[
     int rr[4] = {g, g, g + 8, g + 8}, cc[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
     for (int e = 0; e < 4; ++e) {
         float s = 0; for (int k = 0; k < 8; ++k) s += w.A[rr[e]][k] * w.B[k][cc[e]];
+        d[e] = d[e] + s;
+    }
+    __syncwarp();
+}
+// bf16: round to nearest even (cvt.rn.bf16x2.f32), and the m16n8k16 product.
+inline unsigned emu_bf16_rne(float v) {
+    unsigned u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (u >> 16) | ((u & 0xffffu) ? 0x40u : 0u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+inline unsigned pack_bf16x2(float lo, float hi) { return emu_bf16_rne(lo) | (emu_bf16_rne(hi) << 16); }
+inline float emu_lo(unsigned v) { return __uint_as_float(v << 16); }
+inline float emu_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+inline void mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    WarpScratch& w = g_blk->ws[threadIdx.x / 32];
+    for (int h = 0; h < 2; ++h) {
+        w.A16[g][2 * q + 8 * h] = emu_lo(a[2 * h]); w.A16[g][2 * q + 8 * h + 1] = emu_hi(a[2 * h]);
+        w.A16[g + 8][2 * q + 8 * h] = emu_lo(a[2 * h + 1]); w.A16[g + 8][2 * q + 8 * h + 1] = emu_hi(a[2 * h + 1]);
+        w.B16[2 * q + 8 * h][g] = emu_lo(b[h]); w.B16[2 * q + 8 * h + 1][g] = emu_hi(b[h]);
+    }
+    __syncwarp();
+    int rr[4] = {g, g, g + 8, g + 8}, cc[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
+    for (int e = 0; e < 4; ++e) {
+        float s = 0; for (int k = 0; k < 16; ++k) s += w.A16[rr[e]][k] * w.B16[k][cc[e]];
         d[e] = d[e] + s;
     }
     __syncwarp();
@@ -89,6 +115,21 @@ inline void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
         unsigned a = w.addr[m * 8 + lane / 4] + 4u * (lane % 4);
         if (a % 4 || w.addr[m * 8 + lane / 4] % 16) { fprintf(stderr, "ldmatrix: misaligned row\n"); abort(); }
         memcpy(&r[m], (const char*)g_dyn + a, 4);
+    }
+    __syncwarp();
+}
+inline void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    int lane = threadIdx.x & 31;
+    WarpScratch& w = g_blk->ws[threadIdx.x / 32];
+    w.addr[lane] = addr;
+    __syncwarp();
+    for (int m = 0; m < 4; ++m) {
+        unsigned short lo, hi;
+        unsigned r0 = w.addr[m * 8 + 2 * (lane % 4)], r1 = w.addr[m * 8 + 2 * (lane % 4) + 1];
+        if (r0 % 16 || r1 % 16) { fprintf(stderr, "ldmatrix.trans: misaligned row\n"); abort(); }
+        memcpy(&lo, (const char*)g_dyn + r0 + 2u * (lane / 4), 2);
+        memcpy(&hi, (const char*)g_dyn + r1 + 2u * (lane / 4), 2);
+        r[m] = (unsigned)lo | ((unsigned)hi << 16);
     }
     __syncwarp();
 }

@@ -278,6 +278,48 @@ int main(int argc, char** argv) {
     } else {
         printf("pair kernel: not applicable\n");
     }
+    // bf16 I/O, where the host runs the bf16 kernels (the pair kernels' shapes, headdim and
+    // dstate multiples of 8): x, B, C, z rounded to bf16; the bf16 kernels against version 1 in
+    // f32 on the same rounded values, within 3e-2 of the largest magnitude (bf16 operands: 2^-8
+    // each), and the conversion kernels exact.
+    if (pairs && state_pairs && P % 8 == 0 && N % 8 == 0) {
+        auto to_bf16 = [](const std::vector<float>& v, std::vector<unsigned short>& h, std::vector<float>& r) {
+            h.resize(v.size()); r.resize(v.size());
+            for (size_t i = 0; i < v.size(); ++i) { h[i] = (unsigned short)emu_bf16_rne(v[i]); r[i] = emu_lo(h[i]); }
+        };
+        std::vector<unsigned short> xh, bh, ch, zh;
+        std::vector<float> xr, br, cr, zr;
+        to_bf16(x, xh, xr); to_bf16(Bm, bh, br); to_bf16(Cm, ch, cr); to_bf16(z, zh, zr);
+        const float* zrp = zp ? zr.data() : nullptr;
+        const unsigned short* zhp = zp ? zh.data() : nullptr;
+        std::vector<float> cstR(nst, NAN), finR(nfs, NAN), outR(nx, NAN);
+        launch({(unsigned)(ptiles * ntiles), (unsigned)H, (unsigned)B}, 128, 0, [&] {
+            ssd_fwd_pass_state({xr.data(), br.data(), dto.data(), dac.data(), initp, seqp, cstR.data(), finR.data(), L, H, P, G, N, Q, nc}); });
+        launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, smem_old, [&] {
+            ssd_compute_out({xr.data(), br.data(), cr.data(), Dv.data(), zrp, dto.data(), dac.data(), cstR.data(), seqp, outR.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0}); });
+        std::vector<float> cstH(nst, NAN), finH(nfs, NAN), cbufH(cbuf.size(), NAN), outH(nx, NAN);
+        std::vector<unsigned short> outh(nx, 0xffff);
+        launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, ssd_chunk_state_local_pair_bf16_layout.smem[0], [&] {
+            ssd_chunk_state_local_pair_bf16({xh.data(), bh.data(), dto.data(), dac.data(), seqp, cstH.data(), L, H, P, G, N, Q, nc}); });
+        launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
+            ssd_state_passing({dac.data(), initp, seqp, cstH.data(), finH.data(), L, H, P, N, Q, nc, vec4}); });
+        launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, ssd_chunk_cb_bf16_layout.smem[0], [&] {
+            ssd_chunk_cb_bf16({bh.data(), ch.data(), cbufH.data(), L, G, N, Q, nc, tmax, 1}); });
+        launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, ssd_compute_out_pair_bf16_layout.smem[0], [&] {
+            ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), cstH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
+        launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outh.data(), outH.data(), (long long)nx}); });
+        nans += cmp("bf16 chunk_states vs v1", cstH, cstR, 3e-2);
+        nans += cmp("bf16 final_states vs v1", finH, finR, 3e-2);
+        nans += cmp("bf16 out vs v1", outH, outR, 3e-2);
+        std::vector<unsigned short> back(nx, 0);
+        launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_narrow_bf16({outR.data(), back.data(), (long long)nx}); });
+        size_t conv_bad = 0;
+        for (size_t i = 0; i < nx; ++i) conv_bad += back[i] != (unsigned short)emu_bf16_rne(outR[i]);
+        printf("bf16 narrow mismatches: %zu\n", conv_bad);
+        nans += conv_bad;
+    } else {
+        printf("bf16 kernels: not applicable\n");
+    }
     if (packed) nans += packed_path(cu, seq, x, Bm, Cm, z, Dv, zp, dto, dac, A, L, H, P, G, N, Q, nc, opts, rng, cmp);
     printf("RESULT %s\n", nans ? "NAN or large difference" : "ok");
 }

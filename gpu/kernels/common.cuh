@@ -293,3 +293,66 @@ __device__ __forceinline__ void mma_slab_2xn(float (&acc)[2][NF][4], unsigned a_
         mma_2xn(acc, a, bf);
     }
 }
+
+// bf16 storage: the bit patterns of bfloat16 values, as 16-bit words (no CUDA header). A pair
+// of neighbouring elements is one 32-bit word, the lower index in its low half.
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float bf16_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+
+// async_rows for a ROWS x COLS block of bf16 (COLS a multiple of 8): the same 16-byte copies, 8
+// elements each. src_stride and dst_stride (elements) must be even, cols_valid a multiple of 8
+// (the host's condition for the bf16 kernels: headdim and dstate multiples of 8).
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void async_rows_bf16(bf16_t* dst, int dst_stride, const bf16_t* __restrict__ src,
+                                                unsigned src_stride, int rows_valid, int cols_valid, int tid) {
+    static_assert(COLS % 8 == 0, "16-byte pieces");
+    async_rows<ROWS, COLS / 2, NT>(reinterpret_cast<float*>(dst), dst_stride / 2, reinterpret_cast<const float*>(src),
+                                   src_stride / 2, rows_valid, cols_valid / 2, tid);
+}
+
+// acc += A B^T for one warp's 32 x (8 NF) part as mma_slab_2xn, over bf16 tiles (strides in
+// elements, multiples of 8, rows 16-byte aligned; kend a multiple of 16): A stored row-major
+// ([row][k], shared address a_s in bytes), B stored n-major ([n][k], b_s); bf16 products.
+template <int NF>
+__device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsigned a_s, unsigned b_s, int stride,
+                                                  int a_row, int b_row, int kend, int lane) {
+    const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8;
+    const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8;
+    for (int kk = 0; kk < kend; kk += 16) {
+        unsigned a[2][4], bf[NF][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * 16) * stride + kk + a_off) * 2u);
+#pragma unroll
+        for (int np = 0; np < NF / 2; ++np) {
+            unsigned r4[4];
+            ldmatrix_x4(r4, b_s + (unsigned)((b_row + np * 16) * stride + kk + b_off) * 2u);
+            bf[2 * np][0] = r4[0];
+            bf[2 * np][1] = r4[1];
+            bf[2 * np + 1][0] = r4[2];
+            bf[2 * np + 1][1] = r4[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
+    }
+}
+
+// B fragments of 8 NF columns (n = n0 .. n0 + 8 NF - 1) for rows k = kk .. kk + 15 of a bf16
+// tile stored k-major ([k][n], stride in elements, a multiple of 8), through ldmatrix.trans.
+template <int NF>
+__device__ __forceinline__ void load_b_kmajor_bf16(unsigned (&bf)[NF][2], unsigned t_s, int stride, int kk, int n0,
+                                                   int lane) {
+    const int off = (kk + ((lane >> 3) & 1) * 8 + (lane & 7)) * stride + n0 + (lane >> 4) * 8;
+#pragma unroll
+    for (int np = 0; np < NF / 2; ++np) {
+        unsigned r4[4];
+        ldmatrix_x4_trans(r4, t_s + (unsigned)(off + np * 16) * 2u);
+        bf[2 * np][0] = r4[0];
+        bf[2 * np][1] = r4[1];
+        bf[2 * np + 1][0] = r4[2];
+        bf[2 * np + 1][1] = r4[3];
+    }
+}

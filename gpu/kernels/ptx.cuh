@@ -1,5 +1,6 @@
-// The inline PTX of the SSD kernels, in one file: TF32 rounding, the m16n8k8 TF32 tensor-core
-// product, cp.async copies, ldmatrix and 2^x, and the declaration of the dynamic shared memory.
+// The inline PTX of the SSD kernels, in one file: TF32 rounding, the m16n8k8 TF32 and m16n8k16
+// BF16 tensor-core products, bf16 packing, cp.async copies, ldmatrix and 2^x, and the
+// declaration of the dynamic shared memory.
 //
 // NVRTC compiles this file first. The CPU emulation (gpu/emu/) includes every other kernel
 // file as it is and replaces this one with gpu/emu/emu.h, which emulates each helper below
@@ -10,6 +11,12 @@
 //   A (16 x 8, row major): a0 = A[g][q], a1 = A[g + 8][q], a2 = A[g][q + 4], a3 = A[g + 8][q + 4]
 //   B (8 x 8, column):     b0 = B[q][g], b1 = B[q + 4][g]
 //   C, D (16 x 8):         c0 = C[g][2q], c1 = C[g][2q + 1], c2 = C[g + 8][2q], c3 = C[g + 8][2q + 1]
+// and of mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 ("for mma.m16n8k16"), each 32-bit
+// register holding two bf16, the lower column (A) or row (B) in its low half:
+//   A (16 x 16, row major): a0 = A[g][2q, 2q + 1], a1 = A[g + 8][2q, 2q + 1],
+//                           a2 = A[g][2q + 8, 2q + 9], a3 = A[g + 8][2q + 8, 2q + 9]
+//   B (16 x 8, column):     b0 = B[2q, 2q + 1][g], b1 = B[2q + 8, 2q + 9][g]
+//   C, D: as above.
 
 // The block's dynamic shared memory, as `float name[]` (16-byte aligned).
 #define SSD_DYNAMIC_SMEM(name) extern __shared__ __align__(16) float name[]
@@ -29,6 +36,23 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a * b on the tensor cores, bf16 operands (two per register), f32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two f32 rounded to bf16 (to nearest, ties to even, as the CPU emulation
+// `MatmulPrecision::Bf16` does), packed: `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 // Asynchronous global -> shared copies (sm_80+). `valid == false` zero-fills the destination
@@ -67,6 +91,17 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // (A: a0 = A[g][q]; B stored n-major: b0 = B[q][g]). Rows must be 16-byte aligned.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// The same four 8 x 8 matrices of 16-bit elements, transposed on the way: lane l receives in
+// r[m] elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4) of matrix m (row, column as
+// stored), the low half first. A row-major [k][n] bf16 tile so gives the m16n8k16 B fragment
+// (b0 = B[2q, 2q + 1][g]), and a [k][m] tile the A fragment of its transpose.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");

@@ -3,7 +3,7 @@
 use crate::kernels::Kernel;
 use crate::params::ChunkCumsumParams;
 use crate::runtime::{int, Args};
-use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
 /// The largest chunk_size of `ssd_chunk_cumsum_tiled` (`CS_TILED_MAX` in the kernel).
 const TILED_MAX_CHUNK: usize = 256;
@@ -29,10 +29,10 @@ impl Gpu {
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
-    pub fn chunk_cumsum(
+    pub fn chunk_cumsum<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
-        outputs: &mut DeviceOutputs,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
         self.check_buffers(inputs, outputs)?;
         let d = inputs.dims;

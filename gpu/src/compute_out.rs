@@ -4,7 +4,7 @@ use crate::kernels::Kernel;
 use crate::params::{ChunkCbParams, ComputeOutCbParams, ComputeOutParams, StateSizes};
 use crate::runtime::{int, Args};
 use crate::shape::{compute_out_cb_rows, compute_out_pairs, score_tiles, TILE_M, TILE_P};
-use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
 impl Gpu {
     /// Enqueues stage 3 (after [`Gpu::fwd_pass_state`]), writing `outputs.out`.
@@ -28,12 +28,17 @@ impl Gpu {
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
-    pub fn compute_out(
+    pub fn compute_out<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
-        outputs: &mut DeviceOutputs,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
         self.check_buffers(inputs, outputs)?;
+        if T::BF16 {
+            // The bf16 kernels: 3a and the pair output kernel (`check_bf16` guarantees both
+            // serve, and that the scores scratch is allocated).
+            self.check_bf16(&inputs.dims, &inputs.options)?;
+        }
         let d = inputs.dims;
         let o = inputs.options;
         let nchunks = d.nchunks(o.chunk_size);
@@ -67,18 +72,26 @@ impl Gpu {
             };
             let cb_grid = ((nchunks * npairs) as u32, d.ngroups as u32, d.batch as u32);
             // SAFETY: `ChunkCbParams` is the struct of `ssd_chunk_cb`
-            // (kernels/compute_out/scores.cu); the scratch was sized by `shape::scores_len` for
+            // (kernels/compute_out/scores.cu) and of `ssd_chunk_cb_bf16` (bf16.cu: bf16 B and C,
+            // which `T` is then, dstate a multiple of 8 by `check_bf16`); the scratch was sized by `shape::scores_len` for
             // these sizes (which also bounds the grid), B and C were checked against the sizes,
             // and its 68 KB of dynamic shared memory fit every device of compute capability 8.0
             // or newer.
-            unsafe { self.launch(Kernel::ChunkCb, cb_grid, d.dstate, &params) }?;
+            let kernel = if T::BF16 {
+                Kernel::ChunkCbBf16
+            } else {
+                Kernel::ChunkCb
+            };
+            unsafe { self.launch(kernel, cb_grid, d.dstate, &params) }?;
         }
         if let Some(scores) = outputs.scores.as_ref() {
             let t = score_tiles(&d, &o);
             let rows = compute_out_cb_rows(t, self.fits(Kernel::ComputeOutCb128, d.dstate));
             let pairs = self.pairs && compute_out_pairs(&d, t);
             let grid_x = (nchunks * o.chunk_size.div_ceil(rows)) as u32;
-            let (kernel, grid) = if pairs {
+            let (kernel, grid) = if T::BF16 {
+                (Kernel::ComputeOutPairBf16, (grid_x, grid.1 / 2, grid.2))
+            } else if pairs {
                 // Two units (head, 64 headdim columns) per block, 128 rows, 256 threads.
                 (Kernel::ComputeOutPair, (grid_x, grid.1 / 2, grid.2))
             } else if rows == 128 {
@@ -107,8 +120,10 @@ impl Gpu {
                 vec: i32::from(d.headdim.is_multiple_of(4) && d.dstate.is_multiple_of(4)),
             };
             // SAFETY: `ComputeOutCbParams` is the struct of `ssd_compute_out_cb`,
-            // `ssd_compute_out_cb128` (kernels/compute_out/tiled.cu) and `ssd_compute_out_pair`
-            // (pair.cu), whose rows per block (64, 128, 128 for pairs) the grid above uses; the
+            // `ssd_compute_out_cb128` (kernels/compute_out/tiled.cu), `ssd_compute_out_pair`
+            // (pair.cu) and `ssd_compute_out_pair_bf16` (bf16.cu: bf16 x, C, z and out, which `T`
+            // is then; its conditions checked by `check_bf16`), whose rows per block (64, 128,
+            // 128 for pairs) the grid above uses; the
             // pair kernel's grid covers nheads * ptiles / 2 pairs (an even count per group,
             // checked by `compute_out_pairs`, 16-byte copies only where `vec` holds); every
             // buffer was checked against the sizes, the scores were written by `ssd_chunk_cb`
@@ -117,6 +132,11 @@ impl Gpu {
             // `pairs`.
             unsafe { self.launch(kernel, grid, d.dstate, &params) }?;
             return Ok(());
+        }
+        if T::BF16 {
+            return Err(GpuError::Internal(
+                "bf16 activations reached the single output kernel".into(),
+            ));
         }
         let mut args = Args::new(&self.stream);
         let params = ComputeOutParams {

@@ -7,7 +7,7 @@ use crate::kernels::Kernel;
 use crate::params::{ChunkStateLocalParams, FwdPassStateParams, StatePassingParams, StateSizes};
 use crate::runtime::{int, Args};
 use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
-use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError};
+use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
 impl Gpu {
     /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
@@ -30,10 +30,10 @@ impl Gpu {
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
-    pub fn fwd_pass_state(
+    pub fn fwd_pass_state<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
-        outputs: &mut DeviceOutputs,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
         self.fwd_pass_state_with(inputs, None, outputs)
     }
@@ -41,13 +41,16 @@ impl Gpu {
     /// [`Gpu::fwd_pass_state`], with packed sequences' initial states taken in where `seq`
     /// is given (`crate::DevicePacking`): `(seq_init [nseq, nheads, headdim, dstate],
     /// chunk_init [nchunks, 2])`, both checked by the caller against the sizes.
-    pub(crate) fn fwd_pass_state_with(
+    pub(crate) fn fwd_pass_state_with<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
+        inputs: &DeviceInputs<T>,
         seq: Option<(&CudaSlice<f32>, &CudaSlice<i32>)>,
-        outputs: &mut DeviceOutputs,
+        outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
         self.check_buffers(inputs, outputs)?;
+        if T::BF16 {
+            self.check_bf16(&inputs.dims, &inputs.options)?;
+        }
         let d = inputs.dims;
         let o = inputs.options;
         let nchunks = d.nchunks(o.chunk_size);
@@ -56,9 +59,16 @@ impl Gpu {
         // 2a's tiles: two units (head, 64 headdim rows) of a group per block and 128 dstate
         // columns where `state_local_variant` allows, one unit and 128 columns above dstate 64,
         // else 64 columns (4 warps).
-        let state_local = self.state_local_variant(&d);
+        // With bf16 activations: the bf16 pair kernel (`check_bf16` above).
+        let state_local = if T::BF16 {
+            Kernel::ChunkStateLocalPairBf16
+        } else {
+            self.state_local_variant(&d)
+        };
         let split_tiles = match state_local {
-            Kernel::ChunkStateLocalPair => d.dstate.div_ceil(2 * TILE_N),
+            Kernel::ChunkStateLocalPair | Kernel::ChunkStateLocalPairBf16 => {
+                d.dstate.div_ceil(2 * TILE_N)
+            }
             Kernel::ChunkStateLocalWide => {
                 d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N)
             }
@@ -66,7 +76,10 @@ impl Gpu {
         };
         // 2a's blocks over (chunk and tile, unit), the unit fastest (kernels' `tile_and_unit`):
         // x = (c * split_tiles + tile) * units + unit; the fused pass where that overflows i32.
-        let units = if state_local == Kernel::ChunkStateLocalPair {
+        let units = if matches!(
+            state_local,
+            Kernel::ChunkStateLocalPair | Kernel::ChunkStateLocalPairBf16
+        ) {
             d.nheads * d.headdim.div_ceil(TILE_P) / 2
         } else {
             d.nheads
@@ -87,11 +100,13 @@ impl Gpu {
                 chunk_states: args.write(&mut outputs.chunk_states),
                 sizes,
             };
-            // SAFETY: `ChunkStateLocalParams` is the struct of the three 2a kernels
-            // (kernels/fwd_pass_state/local.cu, pair.cu); buffers checked against the sizes,
-            // grid checked above (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even
-            // count per group and 16-byte copies, checked by `state_pairs`); the dynamic shared
-            // memory checked against this device by `state_local_variant`.
+            // SAFETY: `ChunkStateLocalParams` is the struct of the four 2a kernels
+            // (kernels/fwd_pass_state/local.cu, pair.cu, bf16.cu: the same fields, bf16 `x` and
+            // `B` for the last, which `T` is then); buffers checked against the sizes, grid
+            // checked above (for pairs: nheads * ceil(headdim / 64) / 2 pairs, an even count per
+            // group and 16-byte copies, checked by `state_pairs`, or for bf16 by `check_bf16`);
+            // the dynamic shared memory checked against this device by `state_local_variant`
+            // or `check_bf16`.
             unsafe {
                 self.launch(
                     state_local,
@@ -135,6 +150,11 @@ impl Gpu {
             // 65535 * 64 and dstate by 256.
             unsafe { self.launch(Kernel::StatePassing, grid, d.dstate, &params) }?;
             return Ok(());
+        }
+        if T::BF16 {
+            return Err(GpuError::Internal(
+                "bf16 activations reached the fused state pass".into(),
+            ));
         }
         let mut args = Args::new(&self.stream);
         let params = FwdPassStateParams {

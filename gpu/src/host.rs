@@ -8,7 +8,7 @@ use ndarray::{Array, Dimension};
 use ssd_reference::{ChunkedOutput, Problem};
 
 use crate::shape::seq_idx_to_i32;
-use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError};
+use crate::{Bf16, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError, IoElement};
 
 fn contiguous<D: Dimension>(a: &Array<f32, D>) -> Cow<'_, [f32]> {
     match a.as_slice() {
@@ -32,21 +32,38 @@ impl Gpu {
     /// [`GpuError::Unsupported`] for sizes the kernels do not support, [`GpuError::OutOfMemory`],
     /// driver errors.
     pub fn upload(&self, problem: &Problem<f32>) -> Result<DeviceInputs, GpuError> {
+        self.upload_as(problem)
+    }
+
+    /// [`Gpu::upload`] with the activations `x`, `B`, `C`, `z` rounded to bf16 (to nearest
+    /// even; exact where they hold bf16 values already), for the bf16 kernels.
+    ///
+    /// # Errors
+    /// As [`Gpu::upload`].
+    pub fn upload_bf16(&self, problem: &Problem<f32>) -> Result<DeviceInputs<Bf16>, GpuError> {
+        self.upload_as(problem)
+    }
+
+    /// [`Gpu::upload`] with the activations in `T`.
+    fn upload_as<T: IoElement>(&self, problem: &Problem<f32>) -> Result<DeviceInputs<T>, GpuError> {
         let dims = *problem.dims();
         let options = *problem.options();
         self.check(&dims, &options)?;
         let i = problem.inputs();
-        let opt = |a: Option<&Array<f32, _>>| a.map(|a| self.upload_array(a)).transpose();
+        let act = |a: &Array<f32, ndarray::Ix4>| -> Result<CudaSlice<T>, GpuError> {
+            let v: Vec<T> = a.iter().map(|&v| T::from_f32(v)).collect();
+            Ok(self.stream.clone_htod(&v)?)
+        };
         Ok(DeviceInputs {
             dims,
             options,
-            x: self.upload_array(&i.x)?,
+            x: act(&i.x)?,
             dt: self.upload_array(&i.dt)?,
             A: self.upload_array(&i.A)?,
-            B: self.upload_array(&i.B)?,
-            C: self.upload_array(&i.C)?,
+            B: act(&i.B)?,
+            C: act(&i.C)?,
             D: i.D.as_ref().map(|a| self.upload_array(a)).transpose()?,
-            z: opt(i.z.as_ref())?,
+            z: i.z.as_ref().map(act).transpose()?,
             dt_bias: i
                 .dt_bias
                 .as_ref()
@@ -77,13 +94,18 @@ impl Gpu {
     ///
     /// # Errors
     /// Driver errors, including faults of the kernels that produced the outputs.
-    pub fn download(&self, outputs: &DeviceOutputs) -> Result<ChunkedOutput<f32>, GpuError> {
+    /// With bf16 activations `out` holds the bf16 values, widened (exactly) to f32.
+    pub fn download<T: IoElement>(
+        &self,
+        outputs: &DeviceOutputs<T>,
+    ) -> Result<ChunkedOutput<f32>, GpuError> {
         let d = outputs.dims;
         let nchunks = d.nchunks(outputs.options.chunk_size);
         let q = outputs.options.chunk_size;
         let get =
             |s: &CudaSlice<f32>| -> Result<Vec<f32>, GpuError> { Ok(self.stream.clone_dtoh(s)?) };
-        let out = get(&outputs.out)?;
+        let out: Vec<T> = self.stream.clone_dtoh(&outputs.out)?;
+        let out: Vec<f32> = out.into_iter().map(T::to_f32).collect();
         let final_states = get(&outputs.final_states)?;
         let da = get(&outputs.dA_cumsum)?;
         let cst = get(&outputs.chunk_states)?;
@@ -115,6 +137,19 @@ impl Gpu {
     /// As [`Gpu::upload`], [`Gpu::forward_device`] and [`Gpu::download`].
     pub fn forward(&self, problem: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
         let inputs = self.upload(problem)?;
+        let outputs = self.forward_device(&inputs)?;
+        self.download(&outputs)
+    }
+
+    /// [`Gpu::forward`] with bf16 activations: `x`, `B`, `C`, `z` rounded to bf16 on upload,
+    /// bf16 products with f32 accumulation, `out` computed in bf16 (returned widened to f32).
+    /// Check it against the float64 reference of the problem with those inputs rounded, at
+    /// `--precision bf16` (`docs/tolerances.md`).
+    ///
+    /// # Errors
+    /// As [`Gpu::forward`].
+    pub fn forward_bf16(&self, problem: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
+        let inputs = self.upload_bf16(problem)?;
         let outputs = self.forward_device(&inputs)?;
         self.download(&outputs)
     }
@@ -156,6 +191,27 @@ pub fn gpu_for(config: GpuConfig) -> Result<Arc<Gpu>, GpuError> {
 /// not support, [`GpuError::Compile`], [`GpuError::OutOfMemory`], [`GpuError::Driver`].
 pub fn forward(problem: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
     default_gpu()?.forward(problem)
+}
+
+/// [`forward`] with bf16 activations ([`Gpu::forward_bf16`]): `x`, `B`, `C`, `z` and `out` in
+/// bf16, bf16 tensor-core products with f32 accumulation; the states and intermediates f32.
+///
+/// # Errors
+/// As [`forward`].
+///
+/// # Example
+/// ```no_run
+/// use ssd_reference::random::{random_problem, ProblemSpec};
+/// use ssd_reference::Dims;
+///
+/// let p = random_problem(&ProblemSpec::plain(Dims::new(1, 512, 4, 64, 1, 128)), 1).unwrap();
+/// let o = ssd_gpu::forward_bf16(&p.cast::<f32>())?;
+/// // `out` holds bf16 values: the low 16 bits of each f32 are zero.
+/// assert!(o.out.iter().all(|v| v.to_bits() & 0xffff == 0));
+/// # Ok::<(), ssd_gpu::GpuError>(())
+/// ```
+pub fn forward_bf16(problem: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
+    default_gpu()?.forward_bf16(problem)
 }
 
 /// A packed (serving) problem on device 0: `out`, `final_states`, `varlen_states` and

@@ -31,12 +31,15 @@ sources!(
     "fwd_pass_state/local.cu",
     "fwd_pass_state/pair.cu",
     "fwd_pass_state/passing.cu",
+    "fwd_pass_state/bf16.cu",
     "compute_out/tiles.cuh",
     "compute_out/fused.cu",
     "compute_out/scores.cu",
     "compute_out/tiled.cu",
     "compute_out/pair.cu",
+    "compute_out/bf16.cu",
     "serving.cu",
+    "convert.cu",
 );
 
 /// Every kernel of [`SOURCE`], once: its entry point, the threads of its blocks and its
@@ -72,12 +75,22 @@ pub enum Kernel {
     SeqInitOut,
     /// Packed sequences: the states after listed tokens.
     StatesAt,
+    /// Stage 2a over pairs of units, bf16 `x` and `B`.
+    ChunkStateLocalPairBf16,
+    /// Stage 3a, the scores `C B^T` from bf16 `C` and `B`.
+    ChunkCbBf16,
+    /// Stage 3b over pairs of units, bf16 `x`, `C`, `z` and `out`.
+    ComputeOutPairBf16,
+    /// bf16 to f32, element-wise (the bf16 fallback's inputs).
+    WidenBf16,
+    /// f32 to bf16, element-wise (the bf16 fallback's `out`).
+    NarrowBf16,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 14] = [
+    pub const ALL: [Kernel; 19] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -92,6 +105,11 @@ impl Kernel {
         Kernel::ComputeOut,
         Kernel::SeqInitOut,
         Kernel::StatesAt,
+        Kernel::ChunkStateLocalPairBf16,
+        Kernel::ChunkCbBf16,
+        Kernel::ComputeOutPairBf16,
+        Kernel::WidenBf16,
+        Kernel::NarrowBf16,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -111,6 +129,11 @@ impl Kernel {
             Kernel::ComputeOutPair => "ssd_compute_out_pair",
             Kernel::SeqInitOut => "ssd_seq_init_out",
             Kernel::StatesAt => "ssd_states_at",
+            Kernel::ChunkStateLocalPairBf16 => "ssd_chunk_state_local_pair_bf16",
+            Kernel::ChunkCbBf16 => "ssd_chunk_cb_bf16",
+            Kernel::ComputeOutPairBf16 => "ssd_compute_out_pair_bf16",
+            Kernel::WidenBf16 => "ssd_widen_bf16",
+            Kernel::NarrowBf16 => "ssd_narrow_bf16",
         }
     }
 
@@ -122,6 +145,7 @@ impl Kernel {
             | Kernel::ChunkStateLocal
             | Kernel::ComputeOut
             | Kernel::ChunkCb
+            | Kernel::ChunkCbBf16
             | Kernel::ComputeOutCb
             | Kernel::SeqInitOut
             | Kernel::StatesAt => 128,
@@ -130,7 +154,11 @@ impl Kernel {
             | Kernel::ChunkStateLocalPair
             | Kernel::StatePassing
             | Kernel::ComputeOutCb128
-            | Kernel::ComputeOutPair => 256,
+            | Kernel::ComputeOutPair
+            | Kernel::ChunkStateLocalPairBf16
+            | Kernel::ComputeOutPairBf16
+            | Kernel::WidenBf16
+            | Kernel::NarrowBf16 => 256,
         }
     }
 
@@ -141,17 +169,20 @@ impl Kernel {
         match self {
             Kernel::ChunkCumsum | Kernel::ChunkCumsumTiled => size_of::<ChunkCumsumParams>(),
             Kernel::FwdPassState => size_of::<FwdPassStateParams>(),
-            Kernel::ChunkStateLocal | Kernel::ChunkStateLocalWide | Kernel::ChunkStateLocalPair => {
-                size_of::<ChunkStateLocalParams>()
-            }
+            Kernel::ChunkStateLocal
+            | Kernel::ChunkStateLocalWide
+            | Kernel::ChunkStateLocalPair
+            | Kernel::ChunkStateLocalPairBf16 => size_of::<ChunkStateLocalParams>(),
             Kernel::StatePassing => size_of::<StatePassingParams>(),
             Kernel::ComputeOut => size_of::<ComputeOutParams>(),
-            Kernel::ChunkCb => size_of::<ChunkCbParams>(),
-            Kernel::ComputeOutCb | Kernel::ComputeOutCb128 | Kernel::ComputeOutPair => {
-                size_of::<ComputeOutCbParams>()
-            }
+            Kernel::ChunkCb | Kernel::ChunkCbBf16 => size_of::<ChunkCbParams>(),
+            Kernel::ComputeOutCb
+            | Kernel::ComputeOutCb128
+            | Kernel::ComputeOutPair
+            | Kernel::ComputeOutPairBf16 => size_of::<ComputeOutCbParams>(),
             Kernel::SeqInitOut => size_of::<SeqInitOutParams>(),
             Kernel::StatesAt => size_of::<StatesAtParams>(),
+            Kernel::WidenBf16 | Kernel::NarrowBf16 => size_of::<ConvertParams>(),
         }
     }
 

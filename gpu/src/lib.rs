@@ -41,6 +41,7 @@ mod compute_out;
 mod error;
 mod fwd_pass_state;
 mod host;
+mod io;
 pub mod kernels;
 mod params;
 mod runtime;
@@ -48,7 +49,8 @@ mod serving;
 mod shape;
 
 pub use error::GpuError;
-pub use host::{default_gpu, forward, forward_packed, gpu_for};
+pub use host::{default_gpu, forward, forward_bf16, forward_packed, gpu_for};
+pub use io::{Bf16, IoElement};
 pub use kernels::Kernel;
 pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, Variant};
 pub use serving::{DevicePacking, DeviceServingOutputs};

@@ -199,6 +199,15 @@ pub(crate) struct StatesAtParams {
     pub ntargets: i32,
 }
 
+/// `ssd_widen_bf16` and `ssd_narrow_bf16` (`convert.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConvertParams {
+    pub src: u64,
+    pub dst: u64,
+    pub n: i64,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
 // sizes are asserted below, in the C source and against the loaded module).
 unsafe impl DeviceRepr for ChunkCumsumParams {}
@@ -218,6 +227,8 @@ unsafe impl DeviceRepr for ComputeOutCbParams {}
 unsafe impl DeviceRepr for SeqInitOutParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for StatesAtParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ConvertParams {}
 
 const _: () = {
     use std::mem::size_of;
@@ -231,4 +242,5 @@ const _: () = {
     assert!(size_of::<ComputeOutCbParams>() == 128);
     assert!(size_of::<SeqInitOutParams>() == 80);
     assert!(size_of::<StatesAtParams>() == 96);
+    assert!(size_of::<ConvertParams>() == 24);
 };

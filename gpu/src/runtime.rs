@@ -11,6 +11,7 @@ use cudarc::driver::{
 use ssd_reference::{Dims, Options};
 
 use crate::error::unsupported;
+use crate::io::IoElement;
 use crate::kernels::{self, Kernel, KernelLayout};
 use crate::shape::{self, Lengths};
 use crate::GpuError;
@@ -324,6 +325,49 @@ impl Gpu {
         (state, out)
     }
 
+    /// Whether bf16 activations run on the bf16 kernels for `dims` with `options` (else
+    /// [`Gpu::forward_into`] runs them through widened f32 copies, see `docs/gpu.md`): see
+    /// [`Gpu::check_bf16`].
+    pub fn runs_bf16(&self, dims: &Dims, options: &Options) -> bool {
+        self.check_bf16(dims, options).is_ok()
+    }
+
+    /// Why the bf16 kernels do not serve `dims` with `options`, if they do not: they are
+    /// version 2's kernels over pairs of units (the default variant, where they fit this
+    /// device), so they ask what those ask (an even number of 64-column units per group, chunks
+    /// of 65 to 512 tokens, every offset within 32 bits), `headdim` and `dstate` multiples of 8
+    /// (16-byte rows of bf16), and a 2a grid within `i32`.
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] saying which condition fails.
+    pub fn check_bf16(&self, dims: &Dims, options: &Options) -> Result<(), GpuError> {
+        let why = if !self.pairs {
+            "they run only in the default kernel variant (Variant::V2), where the pair kernels fit the device"
+        } else if !(dims.headdim.is_multiple_of(8) && dims.dstate.is_multiple_of(8)) {
+            "headdim and dstate must be multiples of 8"
+        } else if shape::scores_len(dims, options).is_none()
+            || !shape::compute_out_pairs(dims, shape::score_tiles(dims, options))
+        {
+            "the output kernel over pairs of units does not serve this shape (it needs chunks of 65 to 512 tokens and an even number of 64-column units per group)"
+        } else if !self.fits(Kernel::ChunkStateLocalPairBf16, dims.dstate)
+            || !self.fits(Kernel::ComputeOutPairBf16, dims.dstate)
+        {
+            "their shared memory does not fit this device"
+        } else if dims
+            .nchunks(options.chunk_size)
+            .checked_mul(dims.dstate.div_ceil(128))
+            .and_then(|g| g.checked_mul(dims.nheads * dims.headdim.div_ceil(64) / 2))
+            .is_none_or(|g| g > i32::MAX as usize)
+        {
+            "the chunk-state grid would overflow"
+        } else {
+            return Ok(());
+        };
+        Err(unsupported(format!(
+            "the bf16 kernels do not serve this problem: {why}"
+        )))
+    }
+
     /// Waits until everything enqueued so far has finished.
     ///
     /// # Errors
@@ -345,11 +389,16 @@ impl Gpu {
         Ok(lengths)
     }
 
-    /// Allocates uninitialised outputs for a problem of these sizes.
+    /// Allocates uninitialised outputs for a problem of these sizes, `out` in `T` (f32 or
+    /// [`crate::Bf16`], as the inputs' activations).
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] (see [`crate::check_shape`]), [`GpuError::OutOfMemory`].
-    pub fn alloc_outputs(&self, dims: &Dims, options: &Options) -> Result<DeviceOutputs, GpuError> {
+    pub fn alloc_outputs<T: IoElement>(
+        &self,
+        dims: &Dims,
+        options: &Options,
+    ) -> Result<DeviceOutputs<T>, GpuError> {
         let l = self.check(dims, options)?;
         // SAFETY: every element of every output is written by the kernels before it is read
         // (the kernels' documented coverage); nothing reads them before `forward_into`.
@@ -357,7 +406,8 @@ impl Gpu {
         Ok(DeviceOutputs {
             dims: *dims,
             options: *options,
-            out: alloc(l.x)?,
+            // SAFETY: as above.
+            out: unsafe { self.stream.alloc::<T>(l.x) }?,
             final_states: alloc(l.states)?,
             dA_cumsum: alloc(l.cumsum)?,
             dt: alloc(l.cumsum)?,
@@ -371,15 +421,20 @@ impl Gpu {
 
     /// Runs the three stages in order on device-resident inputs, into `outputs`
     /// (allocated with [`Gpu::alloc_outputs`] for the same sizes). Enqueued only: synchronise
-    /// (or download) before reading.
+    /// (or download) before reading. With bf16 activations, where [`Gpu::runs_bf16`] is false,
+    /// through widened f32 copies (`crate::io`).
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when the buffers do not match the sizes, driver errors.
-    pub fn forward_into(
+    pub fn forward_into<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
-        outputs: &mut DeviceOutputs,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
+        if T::BF16 && !self.runs_bf16(&inputs.dims, &inputs.options) {
+            self.check_buffers(inputs, outputs)?;
+            return self.forward_widened(inputs, outputs);
+        }
         self.chunk_cumsum(inputs, outputs)?;
         self.fwd_pass_state(inputs, outputs)?;
         self.compute_out(inputs, outputs)
@@ -389,17 +444,20 @@ impl Gpu {
     ///
     /// # Errors
     /// As [`Gpu::alloc_outputs`] and [`Gpu::forward_into`].
-    pub fn forward_device(&self, inputs: &DeviceInputs) -> Result<DeviceOutputs, GpuError> {
+    pub fn forward_device<T: IoElement>(
+        &self,
+        inputs: &DeviceInputs<T>,
+    ) -> Result<DeviceOutputs<T>, GpuError> {
         let mut outputs = self.alloc_outputs(&inputs.dims, &inputs.options)?;
         self.forward_into(inputs, &mut outputs)?;
         Ok(outputs)
     }
 
     /// Checks that `inputs` and `outputs` agree with each other and with their sizes.
-    pub(crate) fn check_buffers(
+    pub(crate) fn check_buffers<T: IoElement>(
         &self,
-        inputs: &DeviceInputs,
-        outputs: &DeviceOutputs,
+        inputs: &DeviceInputs<T>,
+        outputs: &DeviceOutputs<T>,
     ) -> Result<Lengths, GpuError> {
         if inputs.dims != outputs.dims || inputs.options != outputs.options {
             return Err(unsupported(
@@ -453,30 +511,32 @@ impl Gpu {
 }
 
 /// Inputs of one problem in device memory, row-major, in the contract's names and layouts
-/// (see `docs/gpu.md`). Build one with [`Gpu::upload`], or from your own device buffers.
+/// (see `docs/gpu.md`). Build one with [`Gpu::upload`] (f32) or [`Gpu::upload_bf16`], or from
+/// your own device buffers. `T` is the type of the activations `x`, `B`, `C`, `z` (f32 or
+/// [`crate::Bf16`]); the rest is f32.
 ///
 /// The kernels trust the values: `A <= 0`, every value finite, `seq_idx` non-negative and
 /// non-decreasing along each row (as `i32`; [`crate::seq_idx_to_i32`] converts the contract's
 /// `i64`). Lengths are checked against `dims` at every launch.
 #[allow(non_snake_case)]
 #[derive(Debug)]
-pub struct DeviceInputs {
+pub struct DeviceInputs<T: IoElement = f32> {
     pub dims: Dims,
     pub options: Options,
     /// `[batch, seqlen, nheads, headdim]`
-    pub x: CudaSlice<f32>,
+    pub x: CudaSlice<T>,
     /// `[batch, seqlen, nheads]` (raw: bias, softplus and clamp are applied by `chunk_cumsum`)
     pub dt: CudaSlice<f32>,
     /// `[nheads]`
     pub A: CudaSlice<f32>,
     /// `[batch, seqlen, ngroups, dstate]`
-    pub B: CudaSlice<f32>,
+    pub B: CudaSlice<T>,
     /// `[batch, seqlen, ngroups, dstate]`
-    pub C: CudaSlice<f32>,
+    pub C: CudaSlice<T>,
     /// `[nheads]` (per head) or `[nheads, headdim]` (per channel), told apart by length.
     pub D: Option<CudaSlice<f32>>,
     /// `[batch, seqlen, nheads, headdim]`
-    pub z: Option<CudaSlice<f32>>,
+    pub z: Option<CudaSlice<T>>,
     /// `[nheads]`
     pub dt_bias: Option<CudaSlice<f32>>,
     /// `[batch, nheads, headdim, dstate]`
@@ -485,14 +545,15 @@ pub struct DeviceInputs {
     pub seq_idx: Option<CudaSlice<i32>>,
 }
 
-/// Outputs and intermediates of one problem in device memory.
+/// Outputs and intermediates of one problem in device memory: `out` in `T` (the inputs'
+/// activation type), the rest f32.
 #[allow(non_snake_case)]
 #[derive(Debug)]
-pub struct DeviceOutputs {
+pub struct DeviceOutputs<T: IoElement = f32> {
     pub(crate) dims: Dims,
     pub(crate) options: Options,
     /// `[batch, seqlen, nheads, headdim]`
-    pub out: CudaSlice<f32>,
+    pub out: CudaSlice<T>,
     /// `[batch, nheads, headdim, dstate]`
     pub final_states: CudaSlice<f32>,
     /// `[batch, nheads, nchunks, chunk_size]`
@@ -508,7 +569,7 @@ pub struct DeviceOutputs {
     pub(crate) scores: Option<CudaSlice<f32>>,
 }
 
-impl DeviceOutputs {
+impl<T: IoElement> DeviceOutputs<T> {
     /// The sizes these outputs were allocated for.
     pub fn dims(&self) -> &Dims {
         &self.dims

@@ -283,6 +283,25 @@ fn gpu_runs_or_says_no_cuda_in_one_line() {
         for name in ["out", "final_states", "dA_cumsum", "chunk_states"] {
             assert_eq!(st.tensor(name).unwrap().dtype(), safetensors::Dtype::F32);
         }
+        // bf16: `out` as the kernels write it (BF16), the rest F32; it passes at bf16.
+        let o = run(&case, "gpu", &out, &["--precision", "bf16"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let f = fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&f).unwrap();
+        assert_eq!(st.tensor("out").unwrap().dtype(), safetensors::Dtype::BF16);
+        for name in ["final_states", "dA_cumsum", "chunk_states"] {
+            assert_eq!(st.tensor(name).unwrap().dtype(), safetensors::Dtype::F32);
+        }
+        let checked = oracle(&[
+            "check",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&out),
+            "--precision",
+            "bf16",
+        ]);
+        assert!(checked.status.success(), "{}", stderr(&checked));
         return;
     }
     let err = stderr(&o);

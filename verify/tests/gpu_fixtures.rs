@@ -1,6 +1,7 @@
 //! The GPU kernels, under every kernel variant, on every committed fixture case: `out`, `final_states`, `dA_cumsum` and
 //! `chunk_states` against the case's expected tensors (or the float64 reference where the
-//! case carries none), within the TF32 bound.
+//! case carries none), within the TF32 bound; and again with bf16 activations within the bf16
+//! bound.
 //!
 //! The fixtures are found in `$SSD_FIXTURES_DIR`, else `./fixtures` under the working
 //! directory, else the repository's `fixtures/` (so the test binary also runs from a bundle
@@ -51,11 +52,23 @@ fn is_packed(path: &Path) -> bool {
 
 #[test]
 fn gpu_passes_every_fixture() {
-    let Some(gpus) = gpus_or_skip("gpu_passes_every_fixture") else {
+    every_fixture("gpu_passes_every_fixture", Io::F32);
+}
+
+/// The same cases through the bf16 path (`Gpu::forward_bf16`: the activations rounded to bf16
+/// on upload), against the same expected tensors under the bf16 bound (whose `u_io` covers
+/// that rounding).
+#[test]
+fn gpu_bf16_passes_every_fixture() {
+    every_fixture("gpu_bf16_passes_every_fixture", Io::Bf16);
+}
+
+fn every_fixture(test: &str, io: Io) {
+    let Some(gpus) = gpus_or_skip(test) else {
         return;
     };
     let Some(dir) = fixtures_dir() else {
-        println!("gpu_passes_every_fixture: no fixtures folder found (set SSD_FIXTURES_DIR)");
+        println!("{test}: no fixtures folder found (set SSD_FIXTURES_DIR)");
         return;
     };
     // Packed (serving) cases: `gpu_passes_every_serving_fixture`.
@@ -66,14 +79,21 @@ fn gpu_passes_every_fixture() {
     println!("fixtures: {} cases under {}", cases.len(), dir.display());
     let mut failures = Vec::new();
     for (variant, gpu) in &gpus {
-        let label = variant_label("fixtures", *variant);
+        let label = variant_label(
+            if io == Io::Bf16 {
+                "bf16 fixtures"
+            } else {
+                "fixtures"
+            },
+            *variant,
+        );
         let mut worst = [0.0f64; 4];
         for path in &cases {
             let loaded = ssd_verify::fixture::read_case(path)
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let case = loaded.case;
             let (p32, _) = as_f32_problem(&case.problem);
-            let got = match gpu.forward(&p32) {
+            let got = match io.forward(gpu, &p32) {
                 Ok(o) => o,
                 Err(ssd_gpu::GpuError::Unsupported(m)) => {
                     println!("{label}: {}: refused as unsupported ({m})", path.display());
@@ -82,7 +102,7 @@ fn gpu_passes_every_fixture() {
                 Err(e) => panic!("{label}: {}: {e}", path.display()),
             };
             // The case's own expected tensors where it carries them, the float64 reference else.
-            let v = check_tf32(&got, &Oracle::with_expected(&case.problem, &case.expected));
+            let v = io.check(&got, &Oracle::with_expected(&case.problem, &case.expected));
             for (k, name) in [
                 OutputName::Out,
                 OutputName::FinalStates,

@@ -8,92 +8,11 @@
 
 mod gpu_support;
 
-use std::sync::Arc;
-
 use gpu_support::*;
-use rayon::prelude::*;
-use ssd_gpu::{Gpu, Variant};
 use ssd_reference::random::{
     random_pair_spec, random_problem, random_spec, DSkip, ProblemSpec, SeqIdx, SpecRng,
 };
 use ssd_reference::{Dims, Options};
-
-/// What one kernel variant gave on a list of cases.
-struct Run {
-    variant: Variant,
-    verdicts: Vec<Verdict>,
-    failures: Vec<String>,
-}
-
-/// Runs `specs` (seeded) on the GPU under every variant of `gpus` and checks each against the
-/// float64 reference under the TF32 error model (one generator of cases, every variant).
-fn run_cases(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)]) -> Vec<Run> {
-    let mut runs: Vec<Run> = gpus
-        .iter()
-        .map(|(variant, _)| Run {
-            variant: *variant,
-            verdicts: Vec::with_capacity(specs.len()),
-            failures: Vec::new(),
-        })
-        .collect();
-    for batch in specs.chunks(32) {
-        let problems: Vec<_> = batch
-            .par_iter()
-            .map(|(spec, seed)| as_f32_problem(&random_problem(spec, *seed).expect("valid spec")))
-            .collect();
-        let oracles: Vec<Oracle> = problems
-            .par_iter()
-            .map(|(_, p64)| Oracle::new(p64))
-            .collect();
-        for ((variant, gpu), run) in gpus.iter().zip(runs.iter_mut()) {
-            let outs: Vec<_> = problems
-                .iter()
-                .zip(batch)
-                .map(|((p32, _), (spec, seed))| {
-                    gpu.forward(p32).unwrap_or_else(|e| {
-                        panic!("GPU ({variant:?}) failed on {}: {e}", describe(spec, *seed))
-                    })
-                })
-                .collect();
-            let checked: Vec<Verdict> = oracles
-                .par_iter()
-                .zip(outs.par_iter())
-                .map(|(oracle, o)| check_tf32(o, oracle))
-                .collect();
-            for (v, (spec, seed)) in checked.into_iter().zip(batch) {
-                if !v.passed() {
-                    run.failures.push(format!(
-                        "{variant:?} {}\n    {}",
-                        describe(spec, *seed),
-                        v.failures().join("\n    ")
-                    ));
-                }
-                run.verdicts.push(v);
-            }
-        }
-    }
-    runs
-}
-
-/// Prints each variant's summary and fails with the first 20 failures when there are any.
-fn report(label: &str, runs: &[Run], cases: usize) {
-    for run in runs {
-        summarise(&variant_label(label, run.variant), &run.verdicts);
-    }
-    let failures: Vec<String> = runs.iter().flat_map(|r| r.failures.clone()).collect();
-    assert_none_failed(&failures, cases);
-}
-
-/// Fails with the first 20 failures when there are any.
-fn assert_none_failed(failures: &[String], cases: usize) {
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases (times each variant) exceed the bound:\n{}",
-        failures.len(),
-        cases,
-        failures[..failures.len().min(20)].join("\n")
-    );
-}
 
 #[test]
 fn gpu_fuzz_matches_float64_reference() {
@@ -106,7 +25,7 @@ fn gpu_fuzz_matches_float64_reference() {
     let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
         .map(|k| (random_spec(&mut rng, 4_000_000), first + k))
         .collect();
-    let runs = run_cases(&gpus, &specs);
+    let runs = run_cases(&gpus, &specs, Io::F32);
     let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
     println!(
         "fuzz coverage: seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {} | chunk>=256 {} | dstate>128 {} | headdim%64!=0 {}",
@@ -157,7 +76,11 @@ fn gpu_fuzz_pair_kernel_shapes() {
     // Every drawn shape is one the pair output kernel serves: a generator that drifted would
     // leave this test checking the other kernels.
     assert_eq!(out_pairs, specs.len(), "shapes off the pair output kernel");
-    report("pair kernel shapes", &run_cases(&gpus, &specs), specs.len());
+    report(
+        "pair kernel shapes",
+        &run_cases(&gpus, &specs, Io::F32),
+        specs.len(),
+    );
 }
 
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
@@ -186,7 +109,11 @@ fn gpu_sanitizer_shapes() {
         return;
     };
     let specs = sanitizer_specs();
-    report("sanitizer shapes", &run_cases(&gpus, &specs), specs.len());
+    report(
+        "sanitizer shapes",
+        &run_cases(&gpus, &specs, Io::F32),
+        specs.len(),
+    );
 }
 
 #[test]

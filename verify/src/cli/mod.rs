@@ -185,6 +185,16 @@ impl Precision {
     }
 
     /// The dtype outputs computed in this precision are stored as.
+    /// The dtype `out` is stored in by `imp` at this precision: BF16 from the GPU's bf16
+    /// kernels (they write it so), else [`Precision::store_dtype`].
+    pub fn out_dtype(self, imp: Impl) -> FloatDtype {
+        if imp == Impl::Gpu && self == Precision::Bf16 {
+            FloatDtype::BF16
+        } else {
+            self.store_dtype()
+        }
+    }
+
     pub fn store_dtype(self) -> FloatDtype {
         match self {
             Precision::F64 => FloatDtype::F64,
@@ -207,9 +217,9 @@ pub fn check_combination(imp: Impl, precision: Precision) -> Result<(), VerifyEr
     }
     if imp == Impl::Gpu {
         gpu_available()?;
-        if precision != Precision::Tf32 {
+        if !matches!(precision, Precision::Tf32 | Precision::Bf16) {
             return Err(VerifyError::Usage(format!(
-                "--impl gpu computes in tf32 (TF32 tensor-core products, f32 elsewhere), not {}: use --precision tf32",
+                "--impl gpu computes in tf32 (f32 inputs, TF32 tensor-core products) or bf16 (bf16 x, B, C, z and out, bf16 products), not {}",
                 precision.name()
             )));
         }
@@ -391,7 +401,8 @@ pub fn gpu_available() -> Result<(), VerifyError> {
         .map_err(|e| VerifyError::Unavailable(e.to_string()))
 }
 
-/// The GPU forward pass: uploads the f32 problem, times the three kernels alone (launch to
+/// The GPU forward pass: uploads the f32 problem (its activations as bf16 at `--precision
+/// bf16`, where [`Prepared::new`] has rounded them already), times the kernels alone (launch to
 /// synchronisation), downloads every output and widens it to f64.
 fn gpu_forward(
     problem: &Prepared<'_>,
@@ -399,7 +410,7 @@ fn gpu_forward(
 ) -> Result<(Outputs<f64>, Duration), VerifyError> {
     let Prepared::F32(p) = problem else {
         return Err(VerifyError::Usage(format!(
-            "--impl gpu computes in tf32 only, not {}",
+            "--impl gpu computes in tf32 or bf16, not {}",
             precision.name()
         )));
     };
@@ -407,11 +418,21 @@ fn gpu_forward(
     // The kernel variant from the environment (`SSD_GPU_V1=1`, `SSD_GPU_PAIR=0`; see
     // `GpuConfig::from_env`), the default one otherwise.
     let gpu = ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env()).map_err(unavailable)?;
-    let inputs = gpu.upload(p).map_err(unavailable)?;
-    let start = Instant::now();
-    let outputs = gpu.forward_device(&inputs).map_err(unavailable)?;
-    gpu.synchronize().map_err(unavailable)?;
-    let took = start.elapsed();
-    let host = gpu.download(&outputs).map_err(unavailable)?;
+    fn timed<T: ssd_gpu::IoElement>(
+        gpu: &ssd_gpu::Gpu,
+        inputs: &ssd_gpu::DeviceInputs<T>,
+    ) -> Result<(ssd_reference::ChunkedOutput<f32>, Duration), ssd_gpu::GpuError> {
+        let start = Instant::now();
+        let outputs = gpu.forward_device(inputs)?;
+        gpu.synchronize()?;
+        let took = start.elapsed();
+        Ok((gpu.download(&outputs)?, took))
+    }
+    let (host, took) = if precision == Precision::Bf16 {
+        timed(&gpu, &gpu.upload_bf16(p).map_err(unavailable)?)
+    } else {
+        timed(&gpu, &gpu.upload(p).map_err(unavailable)?)
+    }
+    .map_err(unavailable)?;
     Ok((Outputs::from(host).to_f64(), took))
 }

@@ -98,7 +98,8 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         pb.finish_and_clear();
     }
     let outputs = last.expect("repeat >= 1").into_outputs();
-    outputs.write(&args.out, precision.store_dtype())?;
+    let out_dtype = precision.out_dtype(args.implementation);
+    outputs.write_as(&args.out, out_dtype, precision.store_dtype())?;
 
     let ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e3).collect();
     let median = median(&ms);
@@ -115,6 +116,7 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
             "impl": args.implementation.name(),
             "precision": precision.name(),
             "dtype": fixture::Dtype::from(precision.store_dtype()).name(),
+            "out_dtype": fixture::Dtype::from(out_dtype).name(),
             "dims": {
                 "batch": dims.batch,
                 "seqlen": dims.seqlen,
@@ -144,10 +146,18 @@ pub fn run(args: &Args) -> Result<ExitCode, VerifyError> {
         } else {
             format!("{} ms", fmt_ms(median))
         };
+        let stored = if out_dtype == precision.store_dtype() {
+            fixture::Dtype::from(out_dtype).to_string()
+        } else {
+            format!(
+                "out {}, the rest {}",
+                fixture::Dtype::from(out_dtype),
+                fixture::Dtype::from(precision.store_dtype())
+            )
+        };
         println!(
-            "wrote {} ({}) to {}: {} {} computed in {timing} on {} threads",
+            "wrote {} ({stored}) to {}: {} {} computed in {timing} on {} threads",
             names.join(", "),
-            fixture::Dtype::from(precision.store_dtype()),
             args.out.display(),
             args.implementation.name(),
             precision.name(),
@@ -263,7 +273,7 @@ fn run_packed(
         (Impl::Gpu, Precision::Tf32) => None,
         (Impl::Gpu, p) => {
             return Err(VerifyError::Usage(format!(
-                "--impl gpu computes in tf32 only, not {}",
+                "--impl gpu runs packed cases in tf32 only, not {} (bf16 serves unpacked cases)",
                 p.name()
             )))
         }

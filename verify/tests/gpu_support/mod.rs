@@ -10,9 +10,11 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
-use ssd_reference::random::ProblemSpec;
-use ssd_reference::Problem;
+use ssd_reference::random::{random_problem, ProblemSpec};
+use ssd_reference::{ChunkedOutput, Problem};
+use ssd_verify::fixture::{round_inputs, Dtype, FloatDtype};
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
 
 /// The device, or `None` after printing why the test is skipped.
@@ -76,6 +78,146 @@ pub fn as_f32_problem(p: &Problem<f64>) -> (Problem<f32>, Problem<f64>) {
     let p32: Problem<f32> = p.cast();
     let p64: Problem<f64> = p32.cast();
     (p32, p64)
+}
+
+/// Rounds a float64 problem's activations (`x`, `B`, `C`, `z`) to bf16 and its other inputs to
+/// f32 (what the bf16 kernels get) and back: the f32 problem to upload (its activations hold
+/// bf16 values) and the float64 problem of exactly those values, for the reference.
+pub fn as_bf16_problem(p: &Problem<f64>) -> (Problem<f32>, Problem<f64>) {
+    as_f32_problem(&round_inputs(p, FloatDtype::BF16).expect("values in bf16's range"))
+}
+
+/// Checks every output of the GPU's bf16 path against the float64 reference under the bf16
+/// error model: `out` stored as bf16, the states and `dA_cumsum` as f32.
+pub fn check_bf16(gpu: &ChunkedOutput<f32>, oracle: &Oracle) -> Verdict {
+    let candidate = Candidate::from(gpu);
+    let tensors = candidate
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let stored = if name == OutputName::Out {
+                Dtype::BF16
+            } else {
+                Dtype::F32
+            };
+            oracle
+                .compare(name, t, stored, Precision::Bf16)
+                .expect("the GPU's outputs have the contract's shapes")
+        })
+        .collect();
+    Verdict {
+        precision: Precision::Bf16,
+        tensors,
+    }
+}
+
+/// The activations' type a GPU test runs: f32 (checked at TF32) or bf16 (checked at bf16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Io {
+    F32,
+    Bf16,
+}
+
+impl Io {
+    /// The problem to upload and the float64 problem of the same values.
+    pub fn problems(self, p: &Problem<f64>) -> (Problem<f32>, Problem<f64>) {
+        match self {
+            Io::F32 => as_f32_problem(p),
+            Io::Bf16 => as_bf16_problem(p),
+        }
+    }
+
+    /// The GPU's forward of `p32` with these activations.
+    pub fn forward(self, gpu: &Gpu, p32: &Problem<f32>) -> Result<ChunkedOutput<f32>, GpuError> {
+        match self {
+            Io::F32 => gpu.forward(p32),
+            Io::Bf16 => gpu.forward_bf16(p32),
+        }
+    }
+
+    /// The verdict on `got` under this path's error model.
+    pub fn check(self, got: &ChunkedOutput<f32>, oracle: &Oracle) -> Verdict {
+        match self {
+            Io::F32 => check_tf32(got, oracle),
+            Io::Bf16 => check_bf16(got, oracle),
+        }
+    }
+}
+
+/// What one kernel variant gave on a list of cases.
+pub struct Run {
+    pub variant: Variant,
+    pub verdicts: Vec<Verdict>,
+    pub failures: Vec<String>,
+}
+
+/// Runs `specs` (seeded) on the GPU under every variant of `gpus`, with activations in `io`,
+/// and checks each against the float64 reference under that path's error model (one
+/// generator of cases, every variant, both activation types).
+pub fn run_cases(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)], io: Io) -> Vec<Run> {
+    let mut runs: Vec<Run> = gpus
+        .iter()
+        .map(|(variant, _)| Run {
+            variant: *variant,
+            verdicts: Vec::with_capacity(specs.len()),
+            failures: Vec::new(),
+        })
+        .collect();
+    for batch in specs.chunks(32) {
+        let problems: Vec<_> = batch
+            .par_iter()
+            .map(|(spec, seed)| io.problems(&random_problem(spec, *seed).expect("valid spec")))
+            .collect();
+        let oracles: Vec<Oracle> = problems
+            .par_iter()
+            .map(|(_, p64)| Oracle::new(p64))
+            .collect();
+        for ((variant, gpu), run) in gpus.iter().zip(runs.iter_mut()) {
+            let outs: Vec<_> = problems
+                .iter()
+                .zip(batch)
+                .map(|((p32, _), (spec, seed))| {
+                    io.forward(gpu, p32).unwrap_or_else(|e| {
+                        panic!(
+                            "GPU ({variant:?}, {io:?}) failed on {}: {e}",
+                            describe(spec, *seed)
+                        )
+                    })
+                })
+                .collect();
+            let checked: Vec<Verdict> = oracles
+                .par_iter()
+                .zip(outs.par_iter())
+                .map(|(oracle, o)| io.check(o, oracle))
+                .collect();
+            for (v, (spec, seed)) in checked.into_iter().zip(batch) {
+                if !v.passed() {
+                    run.failures.push(format!(
+                        "{variant:?} {io:?} {}\n    {}",
+                        describe(spec, *seed),
+                        v.failures().join("\n    ")
+                    ));
+                }
+                run.verdicts.push(v);
+            }
+        }
+    }
+    runs
+}
+
+/// Prints each variant's summary and fails with the first 20 failures when there are any.
+pub fn report(label: &str, runs: &[Run], cases: usize) {
+    for run in runs {
+        summarise(&variant_label(label, run.variant), &run.verdicts);
+    }
+    let failures: Vec<String> = runs.iter().flat_map(|r| r.failures.clone()).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases (times each variant) exceed the bound:\n{}",
+        failures.len(),
+        cases,
+        failures[..failures.len().min(20)].join("\n")
+    );
 }
 
 /// Checks every output of the GPU (`out`, `final_states`, `dA_cumsum`, `chunk_states`, f32)

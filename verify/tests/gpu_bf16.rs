@@ -1,0 +1,214 @@
+//! The GPU's bf16 path (`Gpu::forward_bf16`: `x`, `B`, `C`, `z` and `out` in bf16, bf16
+//! tensor-core products, f32 states) against the float64 reference of the same bf16 inputs,
+//! under the bf16 error model (`docs/tolerances.md`, `--precision bf16`), on seeded random
+//! problems over every size and option, under every kernel variant (the variants and shapes
+//! the bf16 kernels do not serve run through widened f32 copies, and are checked the same way);
+//! plus shapes that the bf16 kernels serve, fixed shapes for the sanitizer, run-to-run
+//! reproducibility and the refusals.
+//!
+//! Without a GPU these tests print "skipped: no CUDA device" and pass; `SSD_REQUIRE_GPU=1`
+//! makes that a failure. `SSD_GPU_BF16_CASES` sets the number of fuzz cases (default 2000),
+//! `SSD_GPU_BF16_PAIR_CASES` those on the bf16 kernels' shapes (default 2000), `SSD_GPU_SEED`
+//! the first seed.
+
+mod gpu_support;
+
+use gpu_support::*;
+use ssd_reference::random::{
+    random_pair_spec, random_problem, random_spec, DSkip, ProblemSpec, SeqIdx, SpecRng,
+};
+use ssd_reference::Dims;
+
+/// A spec the bf16 kernels serve on the default variant: a pair kernel shape
+/// ([`random_pair_spec`]) with headdim and dstate rounded up to multiples of 8 (which keeps
+/// the number of 64-column units, so the units still pair up).
+fn bf16_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
+    let mut spec = random_pair_spec(rng, 4_000_000);
+    spec.dims.headdim = spec.dims.headdim.next_multiple_of(8);
+    spec.dims.dstate = spec.dims.dstate.next_multiple_of(8);
+    spec
+}
+
+#[test]
+fn gpu_bf16_fuzz_matches_float64_reference() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_fuzz_matches_float64_reference") else {
+        return;
+    };
+    let cases = env_usize("SSD_GPU_BF16_CASES", 2000);
+    let first = env_usize("SSD_GPU_SEED", 1) as u64;
+    let mut rng = SpecRng::new(0xBF1_0000 + first);
+    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
+        .map(|k| (random_spec(&mut rng, 4_000_000), 11_000_000 + first + k))
+        .collect();
+    let native = specs
+        .iter()
+        .filter(|(s, _)| gpus[0].1.runs_bf16(&s.dims, &s.options))
+        .count();
+    let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
+    println!(
+        "bf16 fuzz coverage: on the bf16 kernels (default variant) {native} | seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {}",
+        count(&|s| s.seq_idx != SeqIdx::None),
+        count(&|s| s.initial_states),
+        count(&|s| s.z),
+        count(&|s| s.d == DSkip::PerHead),
+        count(&|s| s.d == DSkip::PerChannel),
+        count(&|s| s.dt_bias),
+        count(&|s| s.options.dt_softplus),
+        count(&|s| s.options.dt_limit != (0.0, f64::INFINITY)),
+        count(&|s| s.dims.ngroups > 1),
+        count(&|s| s.dims.seqlen % s.options.chunk_size != 0),
+    );
+    report(
+        "bf16 fuzz",
+        &run_cases(&gpus, &specs, Io::Bf16),
+        specs.len(),
+    );
+}
+
+#[test]
+fn gpu_bf16_kernel_shapes() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_kernel_shapes") else {
+        return;
+    };
+    let gpu = &gpus[0].1;
+    let cases = env_usize("SSD_GPU_BF16_PAIR_CASES", 2000);
+    let first = env_usize("SSD_GPU_SEED", 1) as u64;
+    let mut rng = SpecRng::new(0xBF2_0000 + first);
+    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
+        .map(|k| (bf16_kernel_spec(&mut rng), 12_000_000 + first + k))
+        .collect();
+    let native = specs
+        .iter()
+        .filter(|(s, _)| gpu.runs_bf16(&s.dims, &s.options))
+        .count();
+    println!(
+        "bf16 kernel shapes: {native} of {} cases on the bf16 kernels",
+        specs.len()
+    );
+    if native == 0 {
+        println!("gpu_bf16_kernel_shapes: skipped: this device runs no pair kernel");
+        return;
+    }
+    // Every drawn shape is one the bf16 kernels serve: a generator that drifted would leave
+    // this test checking the widened path.
+    assert_eq!(native, specs.len(), "shapes off the bf16 kernels");
+    report(
+        "bf16 kernel shapes",
+        &run_cases(&gpus, &specs, Io::Bf16),
+        specs.len(),
+    );
+}
+
+/// Fixed shapes for the sanitizer runs (and a quick check of their own): on the bf16 kernels
+/// with every option, seq_idx, ragged seqlen, ngroups > 1, dstate 256 and 8, chunk 512; and
+/// one shape each variant widens (headdim 36).
+pub fn bf16_sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
+    let dims = Dims::new;
+    let mut specs = vec![
+        ProblemSpec::full(dims(2, 300, 4, 64, 2, 72), 128),
+        ProblemSpec::full(dims(1, 517, 2, 64, 1, 256), 256),
+        ProblemSpec::full(dims(1, 700, 4, 40, 2, 8), 512),
+        ProblemSpec::plain(dims(1, 256, 2, 64, 1, 128)),
+        ProblemSpec::full(dims(1, 200, 2, 36, 1, 16), 128),
+    ];
+    specs[1].seq_idx = SeqIdx::AtChunkStarts { every: 1 };
+    specs[2].d = DSkip::PerHead;
+    specs[2].seq_idx = SeqIdx::Segments {
+        segments: 3,
+        first: 1,
+    };
+    specs[3].options.chunk_size = 256;
+    specs.into_iter().zip(300..).collect()
+}
+
+#[test]
+fn gpu_bf16_sanitizer_shapes() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_sanitizer_shapes") else {
+        return;
+    };
+    let specs = bf16_sanitizer_specs();
+    let native = specs
+        .iter()
+        .filter(|(s, _)| gpus[0].1.runs_bf16(&s.dims, &s.options))
+        .count();
+    println!(
+        "bf16 sanitizer shapes: {native} of {} on the bf16 kernels",
+        specs.len()
+    );
+    report(
+        "bf16 sanitizer shapes",
+        &run_cases(&gpus, &specs, Io::Bf16),
+        specs.len(),
+    );
+}
+
+#[test]
+fn gpu_bf16_is_bitwise_reproducible() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_is_bitwise_reproducible") else {
+        return;
+    };
+    let mut rng = SpecRng::new(78);
+    let mut specs: Vec<ProblemSpec> = (0..4).map(|_| bf16_kernel_spec(&mut rng)).collect();
+    specs.extend((0..2).map(|_| random_spec(&mut rng, 4_000_000)));
+    specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
+    for (k, spec) in specs.iter().enumerate() {
+        let (p32, _) = as_bf16_problem(&random_problem(spec, 600 + k as u64).expect("valid spec"));
+        for (variant, gpu) in &gpus {
+            let first = bits(&gpu.forward_bf16(&p32).expect("GPU forward"));
+            for _ in 0..3 {
+                let again = bits(&gpu.forward_bf16(&p32).expect("GPU forward"));
+                assert!(
+                    first == again,
+                    "run-to-run difference ({variant:?}, bf16) on {}",
+                    describe(spec, 600 + k as u64)
+                );
+            }
+        }
+    }
+    println!(
+        "bf16 reproducible: {} problems, 4 runs each under each of {} variants, bitwise identical",
+        specs.len(),
+        gpus.len()
+    );
+}
+
+#[test]
+fn gpu_bf16_out_holds_bf16_values_and_refusals_are_clean() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_out_holds_bf16_values_and_refusals_are_clean") else {
+        return;
+    };
+    let gpu = &gpus[0].1;
+    let spec = ProblemSpec::full(Dims::new(1, 300, 4, 64, 1, 128), 256);
+    let (p32, _) = as_bf16_problem(&random_problem(&spec, 5).expect("valid spec"));
+    let o = gpu.forward_bf16(&p32).expect("GPU forward");
+    assert!(
+        o.out.iter().all(|v| v.to_bits() & 0xffff == 0),
+        "out must hold bf16 values"
+    );
+    // The stage functions refuse bf16 activations on a shape the bf16 kernels do not serve
+    // (the whole forward widens instead), naming the condition.
+    let odd = ProblemSpec::plain(Dims::new(1, 300, 2, 36, 1, 16));
+    let (p32, _) = as_bf16_problem(&random_problem(&odd, 6).expect("valid spec"));
+    let inputs = gpu.upload_bf16(&p32).expect("upload");
+    let mut outputs = gpu
+        .alloc_outputs::<ssd_gpu::Bf16>(&inputs.dims, &inputs.options)
+        .expect("alloc");
+    gpu.chunk_cumsum(&inputs, &mut outputs)
+        .expect("stage 1 takes any activations");
+    let err = gpu
+        .fwd_pass_state(&inputs, &mut outputs)
+        .expect_err("stage 2 must refuse bf16 activations on this shape");
+    assert!(
+        matches!(err, ssd_gpu::GpuError::Unsupported(_))
+            && err.to_string().contains("multiples of 8"),
+        "{err}"
+    );
+    gpu.forward_into(&inputs, &mut outputs)
+        .expect("the whole forward widens instead");
+    // dstate above the limit: refused like the f32 path.
+    let mut big = ProblemSpec::plain(Dims::new(1, 10, 1, 8, 1, ssd_gpu::MAX_DSTATE + 8));
+    big.options.chunk_size = 8;
+    let (p32, _) = as_bf16_problem(&random_problem(&big, 1).expect("valid spec"));
+    let err = gpu.forward_bf16(&p32).expect_err("dstate above the limit");
+    assert!(matches!(err, ssd_gpu::GpuError::Unsupported(_)), "{err}");
+}
