@@ -86,6 +86,19 @@ fn assert_files(dir: &Path, want: &[&str]) {
     assert_eq!(names, want);
 }
 
+/// `ssd-oracle check --case CASE --candidate OUT --precision PRECISION`.
+fn check_at(case: &Path, out: &Path, precision: &str) -> Output {
+    oracle(&[
+        "check",
+        "--case",
+        s(case),
+        "--candidate",
+        s(out),
+        "--precision",
+        precision,
+    ])
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -248,17 +261,7 @@ fn chunked_bf16_passes_at_bf16_and_is_refused_at_tf32() {
     let out = dir.join("o.safetensors");
     let o = run(&case, "chunked", &out, &["--precision", "bf16"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let check = |precision: &str| {
-        oracle(&[
-            "check",
-            "--case",
-            s(&case),
-            "--candidate",
-            s(&out),
-            "--precision",
-            precision,
-        ])
-    };
+    let check = |precision: &str| check_at(&case, &out, precision);
     let at_bf16 = check("bf16");
     assert!(
         at_bf16.status.success(),
@@ -292,15 +295,7 @@ fn gpu_runs_or_says_no_cuda_in_one_line() {
         for name in ["final_states", "dA_cumsum", "chunk_states"] {
             assert_eq!(st.tensor(name).unwrap().dtype(), safetensors::Dtype::F32);
         }
-        let checked = oracle(&[
-            "check",
-            "--case",
-            s(&case),
-            "--candidate",
-            s(&out),
-            "--precision",
-            "bf16",
-        ]);
+        let checked = check_at(&case, &out, "bf16");
         assert!(checked.status.success(), "{}", stderr(&checked));
         return;
     }

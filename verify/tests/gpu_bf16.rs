@@ -34,29 +34,19 @@ fn gpu_bf16_fuzz_matches_float64_reference() {
     let Some(gpus) = gpus_or_skip("gpu_bf16_fuzz_matches_float64_reference") else {
         return;
     };
-    let cases = env_usize("SSD_GPU_BF16_CASES", 2000);
-    let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = SpecRng::new(0xBF1_0000 + first);
-    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
-        .map(|k| (random_spec(&mut rng, 4_000_000), 11_000_000 + first + k))
-        .collect();
+    let specs = draw_specs(
+        env_usize("SSD_GPU_BF16_CASES", 2000),
+        0xBF1_0000,
+        11_000_000,
+        |rng| random_spec(rng, 4_000_000),
+    );
     let native = specs
         .iter()
         .filter(|(s, _)| gpus[0].1.runs_bf16(&s.dims, &s.options))
         .count();
-    let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
     println!(
-        "bf16 fuzz coverage: on the bf16 kernels (default variant) {native} | seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {}",
-        count(&|s| s.seq_idx != SeqIdx::None),
-        count(&|s| s.initial_states),
-        count(&|s| s.z),
-        count(&|s| s.d == DSkip::PerHead),
-        count(&|s| s.d == DSkip::PerChannel),
-        count(&|s| s.dt_bias),
-        count(&|s| s.options.dt_softplus),
-        count(&|s| s.options.dt_limit != (0.0, f64::INFINITY)),
-        count(&|s| s.dims.ngroups > 1),
-        count(&|s| s.dims.seqlen % s.options.chunk_size != 0),
+        "bf16 fuzz coverage: on the bf16 kernels (default variant) {native} | {}",
+        coverage(&specs)
     );
     report(
         "bf16 fuzz",
@@ -70,32 +60,19 @@ fn gpu_bf16_kernel_shapes() {
     let Some(gpus) = gpus_or_skip("gpu_bf16_kernel_shapes") else {
         return;
     };
-    let gpu = &gpus[0].1;
-    let cases = env_usize("SSD_GPU_BF16_PAIR_CASES", 2000);
-    let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = SpecRng::new(0xBF2_0000 + first);
-    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
-        .map(|k| (bf16_kernel_spec(&mut rng), 12_000_000 + first + k))
-        .collect();
-    let native = specs
-        .iter()
-        .filter(|(s, _)| gpu.runs_bf16(&s.dims, &s.options))
-        .count();
-    println!(
-        "bf16 kernel shapes: {native} of {} cases on the bf16 kernels",
-        specs.len()
+    let specs = draw_specs(
+        env_usize("SSD_GPU_BF16_PAIR_CASES", 2000),
+        0xBF2_0000,
+        12_000_000,
+        bf16_kernel_spec,
     );
-    if native == 0 {
-        println!("gpu_bf16_kernel_shapes: skipped: this device runs no pair kernel");
-        return;
-    }
-    // Every drawn shape is one the bf16 kernels serve: a generator that drifted would leave
-    // this test checking the widened path.
-    assert_eq!(native, specs.len(), "shapes off the bf16 kernels");
-    report(
+    run_served_cases(
         "bf16 kernel shapes",
-        &run_cases(&gpus, &specs, Io::Bf16),
-        specs.len(),
+        &gpus,
+        &specs,
+        Io::Bf16,
+        "bf16 kernels",
+        |gpu, s| gpu.runs_bf16(&s.dims, &s.options),
     );
 }
 
@@ -151,25 +128,8 @@ fn gpu_bf16_is_bitwise_reproducible() {
     let mut specs: Vec<ProblemSpec> = (0..4).map(|_| bf16_kernel_spec(&mut rng)).collect();
     specs.extend((0..2).map(|_| random_spec(&mut rng, 4_000_000)));
     specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
-    for (k, spec) in specs.iter().enumerate() {
-        let (p32, _) = as_bf16_problem(&random_problem(spec, 600 + k as u64).expect("valid spec"));
-        for (variant, gpu) in &gpus {
-            let first = bits(&gpu.forward_bf16(&p32).expect("GPU forward"));
-            for _ in 0..3 {
-                let again = bits(&gpu.forward_bf16(&p32).expect("GPU forward"));
-                assert!(
-                    first == again,
-                    "run-to-run difference ({variant:?}, bf16) on {}",
-                    describe(spec, 600 + k as u64)
-                );
-            }
-        }
-    }
-    println!(
-        "bf16 reproducible: {} problems, 4 runs each under each of {} variants, bitwise identical",
-        specs.len(),
-        gpus.len()
-    );
+    let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(600..).collect();
+    assert_reproducible(&gpus, &specs, Io::Bf16);
 }
 
 #[test]

@@ -19,30 +19,11 @@ fn gpu_fuzz_matches_float64_reference() {
     let Some(gpus) = gpus_or_skip("gpu_fuzz_matches_float64_reference") else {
         return;
     };
-    let cases = env_usize("SSD_GPU_CASES", 2000);
-    let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = SpecRng::new(0x55D_0000 + first);
-    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
-        .map(|k| (random_spec(&mut rng, 4_000_000), first + k))
-        .collect();
+    let specs = draw_specs(env_usize("SSD_GPU_CASES", 2000), 0x55D_0000, 0, |rng| {
+        random_spec(rng, 4_000_000)
+    });
     let runs = run_cases(&gpus, &specs, Io::F32);
-    let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
-    println!(
-        "fuzz coverage: seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {} | chunk>=256 {} | dstate>128 {} | headdim%64!=0 {}",
-        count(&|s| s.seq_idx != SeqIdx::None),
-        count(&|s| s.initial_states),
-        count(&|s| s.z),
-        count(&|s| s.d == DSkip::PerHead),
-        count(&|s| s.d == DSkip::PerChannel),
-        count(&|s| s.dt_bias),
-        count(&|s| s.options.dt_softplus),
-        count(&|s| s.options.dt_limit != (0.0, f64::INFINITY)),
-        count(&|s| s.dims.ngroups > 1),
-        count(&|s| s.dims.seqlen % s.options.chunk_size != 0),
-        count(&|s| s.options.chunk_size >= 256),
-        count(&|s| s.dims.dstate > 128),
-        count(&|s| s.dims.headdim % 64 != 0),
-    );
+    println!("fuzz coverage: {}", coverage(&specs));
     report("fuzz", &runs, specs.len());
 }
 
@@ -51,35 +32,27 @@ fn gpu_fuzz_pair_kernel_shapes() {
     let Some(gpus) = gpus_or_skip("gpu_fuzz_pair_kernel_shapes") else {
         return;
     };
-    let gpu = &gpus[0].1;
-    let cases = env_usize("SSD_GPU_PAIR_CASES", 400);
-    let first = env_usize("SSD_GPU_SEED", 1) as u64;
-    let mut rng = SpecRng::new(0x9A1_0000 + first);
-    let specs: Vec<(ProblemSpec, u64)> = (0..cases as u64)
-        .map(|k| (random_pair_spec(&mut rng, 4_000_000), 7_000_000 + first + k))
-        .collect();
-    let taken = |which: fn((bool, bool)) -> bool| {
-        specs
-            .iter()
-            .filter(|(s, _)| which(gpu.uses_pair_kernels(&s.dims, &s.options)))
-            .count()
-    };
-    let (state_pairs, out_pairs) = (taken(|k| k.0), taken(|k| k.1));
+    let specs = draw_specs(
+        env_usize("SSD_GPU_PAIR_CASES", 400),
+        0x9A1_0000,
+        7_000_000,
+        |rng| random_pair_spec(rng, 4_000_000),
+    );
+    let state_pairs = specs
+        .iter()
+        .filter(|(s, _)| gpus[0].1.uses_pair_kernels(&s.dims, &s.options).0)
+        .count();
     println!(
-        "pair kernel shapes: pair 2a in {state_pairs}, pair output kernel in {out_pairs} of {} cases",
+        "pair kernel shapes: pair 2a in {state_pairs} of {} cases",
         specs.len()
     );
-    if out_pairs == 0 {
-        println!("gpu_fuzz_pair_kernel_shapes: skipped: this device runs no pair kernel");
-        return;
-    }
-    // Every drawn shape is one the pair output kernel serves: a generator that drifted would
-    // leave this test checking the other kernels.
-    assert_eq!(out_pairs, specs.len(), "shapes off the pair output kernel");
-    report(
+    run_served_cases(
         "pair kernel shapes",
-        &run_cases(&gpus, &specs, Io::F32),
-        specs.len(),
+        &gpus,
+        &specs,
+        Io::F32,
+        "pair output kernel",
+        |gpu, s| gpu.uses_pair_kernels(&s.dims, &s.options).1,
     );
 }
 
@@ -123,36 +96,9 @@ fn gpu_is_bitwise_reproducible() {
     };
     let mut rng = SpecRng::new(77);
     let mut specs: Vec<ProblemSpec> = (0..6).map(|_| random_spec(&mut rng, 4_000_000)).collect();
-    specs.push(ProblemSpec::full(
-        Dims {
-            batch: 2,
-            seqlen: 1000,
-            nheads: 8,
-            headdim: 64,
-            ngroups: 2,
-            dstate: 128,
-        },
-        256,
-    ));
-    for (k, spec) in specs.iter().enumerate() {
-        let (p32, _) = as_f32_problem(&random_problem(spec, 500 + k as u64).expect("valid spec"));
-        for (variant, gpu) in &gpus {
-            let first = bits(&gpu.forward(&p32).expect("GPU forward"));
-            for _ in 0..3 {
-                let again = bits(&gpu.forward(&p32).expect("GPU forward"));
-                assert!(
-                    first == again,
-                    "run-to-run difference ({variant:?}) on {}",
-                    describe(spec, 500 + k as u64)
-                );
-            }
-        }
-    }
-    println!(
-        "reproducible: {} problems, 4 runs each under each of {} variants, bitwise identical",
-        specs.len(),
-        gpus.len()
-    );
+    specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
+    let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(500..).collect();
+    assert_reproducible(&gpus, &specs, Io::F32);
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
-use ssd_reference::random::{random_problem, ProblemSpec};
+use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng};
 use ssd_reference::{ChunkedOutput, Problem};
 use ssd_verify::fixture::{round_inputs, Dtype, FloatDtype};
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
@@ -217,6 +217,90 @@ pub fn report(label: &str, runs: &[Run], cases: usize) {
         failures.len(),
         cases,
         failures[..failures.len().min(20)].join("\n")
+    );
+}
+
+/// `cases` specs drawn by `draw` from `SpecRng::new(salt + first)`, the k-th seeded `seed0 +
+/// first + k`, where `first` is `SSD_GPU_SEED` (default 1).
+pub fn draw_specs(
+    cases: usize,
+    salt: u64,
+    seed0: u64,
+    mut draw: impl FnMut(&mut SpecRng) -> ProblemSpec,
+) -> Vec<(ProblemSpec, u64)> {
+    let first = env_usize("SSD_GPU_SEED", 1) as u64;
+    let mut rng = SpecRng::new(salt + first);
+    (0..cases as u64)
+        .map(|k| (draw(&mut rng), seed0 + first + k))
+        .collect()
+}
+
+/// How many of `specs` have each option and size class, one line.
+pub fn coverage(specs: &[(ProblemSpec, u64)]) -> String {
+    let count = |f: &dyn Fn(&ProblemSpec) -> bool| specs.iter().filter(|(s, _)| f(s)).count();
+    format!(
+        "seq_idx {} | initial_states {} | z {} | D per head {} / per channel {} | dt_bias {} | softplus {} | dt_limit set {} | ngroups>1 {} | ragged seqlen {} | chunk>=256 {} | dstate>128 {} | headdim%64!=0 {}",
+        count(&|s| s.seq_idx != SeqIdx::None),
+        count(&|s| s.initial_states),
+        count(&|s| s.z),
+        count(&|s| s.d == DSkip::PerHead),
+        count(&|s| s.d == DSkip::PerChannel),
+        count(&|s| s.dt_bias),
+        count(&|s| s.options.dt_softplus),
+        count(&|s| s.options.dt_limit != (0.0, f64::INFINITY)),
+        count(&|s| s.dims.ngroups > 1),
+        count(&|s| s.dims.seqlen % s.options.chunk_size != 0),
+        count(&|s| s.options.chunk_size >= 256),
+        count(&|s| s.dims.dstate > 128),
+        count(&|s| s.dims.headdim % 64 != 0),
+    )
+}
+
+/// Runs `specs`, which were drawn for the kernels that `served` says serve them on the default
+/// variant (`served` returns their name, or `None`): prints how many of the cases they took;
+/// when none (this device runs no such kernel) says so and returns; else asserts that every
+/// case took them (a generator that drifted would leave the test checking other kernels) and
+/// runs them all under every variant.
+pub fn run_served_cases(
+    label: &str,
+    gpus: &[(Variant, Arc<Gpu>)],
+    specs: &[(ProblemSpec, u64)],
+    io: Io,
+    kernels: &str,
+    served: impl Fn(&Gpu, &ProblemSpec) -> bool,
+) {
+    let taken = specs.iter().filter(|(s, _)| served(&gpus[0].1, s)).count();
+    println!("{label}: {kernels} in {taken} of {} cases", specs.len());
+    if taken == 0 {
+        println!("{label}: skipped: this device runs no {kernels}");
+        return;
+    }
+    assert_eq!(taken, specs.len(), "{label}: shapes off the {kernels}");
+    report(label, &run_cases(gpus, specs, io), specs.len());
+}
+
+/// Runs each spec (seeded) 4 times under every variant of `gpus` with activations in `io` and
+/// asserts bitwise identical outputs.
+pub fn assert_reproducible(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)], io: Io) {
+    for (spec, seed) in specs {
+        let (p32, _) = io.problems(&random_problem(spec, *seed).expect("valid spec"));
+        for (variant, gpu) in gpus {
+            let first = bits(&io.forward(gpu, &p32).expect("GPU forward"));
+            for _ in 0..3 {
+                let again = bits(&io.forward(gpu, &p32).expect("GPU forward"));
+                assert!(
+                    first == again,
+                    "run-to-run difference ({variant:?}, {io:?}) on {}",
+                    describe(spec, *seed)
+                );
+            }
+        }
+    }
+    println!(
+        "{}reproducible: {} problems, 4 runs each under each of {} variants, bitwise identical",
+        if io == Io::Bf16 { "bf16 " } else { "" },
+        specs.len(),
+        gpus.len()
     );
 }
 
