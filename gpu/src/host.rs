@@ -51,8 +51,9 @@ impl Gpu {
         self.check(&dims, &options)?;
         let i = problem.inputs();
         let act = |a: &Array<f32, ndarray::Ix4>| -> Result<CudaSlice<T>, GpuError> {
-            let v: Vec<T> = a.iter().map(|&v| T::from_f32(v)).collect();
-            Ok(self.stream.clone_htod(&v)?)
+            Ok(self
+                .stream
+                .clone_htod(T::from_f32_slice(&contiguous(a)).as_ref())?)
         };
         Ok(DeviceInputs {
             dims,

@@ -9,6 +9,8 @@
 //! activations to f32 copies, runs the f32 kernels and rounds `out` to bf16: the same contract,
 //! slower.
 
+use std::borrow::Cow;
+
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use crate::kernels::Kernel;
@@ -47,16 +49,16 @@ mod sealed {
 pub trait IoElement: DeviceRepr + Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// True for [`Bf16`].
     const BF16: bool;
-    /// `v` in this type (rounded to nearest even for bf16).
-    fn from_f32(v: f32) -> Self;
+    /// `v` in this type: `v` itself for f32 (no copy), rounded to nearest even for bf16.
+    fn from_f32_slice(v: &[f32]) -> Cow<'_, [Self]>;
     /// The value as an f32, exactly.
     fn to_f32(self) -> f32;
 }
 
 impl IoElement for f32 {
     const BF16: bool = false;
-    fn from_f32(v: f32) -> Self {
-        v
+    fn from_f32_slice(v: &[f32]) -> Cow<'_, [Self]> {
+        Cow::Borrowed(v)
     }
     fn to_f32(self) -> f32 {
         self
@@ -65,8 +67,8 @@ impl IoElement for f32 {
 
 impl IoElement for Bf16 {
     const BF16: bool = true;
-    fn from_f32(v: f32) -> Self {
-        Bf16::from_f32(v)
+    fn from_f32_slice(v: &[f32]) -> Cow<'_, [Self]> {
+        Cow::Owned(v.iter().map(|&x| Bf16::from_f32(x)).collect())
     }
     fn to_f32(self) -> f32 {
         Bf16::to_f32(self)
@@ -112,6 +114,11 @@ impl Gpu {
         inputs: &DeviceInputs<T>,
         outputs: &mut DeviceOutputs<T>,
     ) -> Result<(), GpuError> {
+        if !T::BF16 {
+            return Err(GpuError::Internal(
+                "f32 activations reached the bf16 widening".into(),
+            ));
+        }
         let copy = |s: &CudaSlice<f32>| self.stream.clone_dtod(s);
         let wide = DeviceInputs::<f32> {
             dims: inputs.dims,
@@ -144,5 +151,26 @@ impl Gpu {
         self.stream
             .memcpy_dtod(&f.chunk_states, &mut outputs.chunk_states)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ssd_reference::Real;
+
+    #[test]
+    fn bf16_uploads_round_as_the_reference_and_f32_is_not_copied() {
+        // Ties (0x3f80_8000 lies halfway between two bf16), both signs, tiny and huge values.
+        let v: Vec<f32> = [1.0f32, -2.5, 1e-30, 3e38, 0.1]
+            .into_iter()
+            .chain((0..1000u32).map(|k| f32::from_bits(0x3f80_0000 + k * 0x1_0123)))
+            .chain([f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)])
+            .collect();
+        let b = Bf16::from_f32_slice(&v);
+        for (x, h) in v.iter().zip(b.iter()) {
+            assert_eq!(h.to_f32(), x.round_bf16(), "{x:e}");
+        }
+        assert!(matches!(f32::from_f32_slice(&v), Cow::Borrowed(_)));
     }
 }
