@@ -128,7 +128,7 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures|bf16 [a-z ]+):? .*' "$logs"/all/test-*.log 2>/dev/null
+grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures|bf16 [a-z ]+|chained [a-z0-9]+):? .*' "$logs"/all/test-*.log 2>/dev/null
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 if [ -f "$logs/all/triton-table.log" ]; then
   grep -E '^\||ceilings|^Triton|^Serving' "$logs/all/triton-table.log"

@@ -12,7 +12,7 @@
 //! request; one `SERVING_JSON {...}` line each, with the lengths, for scripts.
 //!
 //! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
-//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1` or `SSD_GPU_PAIR=0` in the environment
+//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1`, `SSD_GPU_PAIR=0` or `SSD_GPU_CHAINED=0` in the environment
 //! times another variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
 use std::sync::Arc;
@@ -131,9 +131,15 @@ fn bench<T: Upload>(
     let kind = |pair: bool| if pair { "pair" } else { "single" };
     let (state_pair, out_pair) = gpu.uses_pair_kernels(&dims, &options);
     let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
+    // Stage 2 as one chained kernel (Variant::V3, where it serves).
+    let state_kernel = if gpu.uses_chained(&dims, &options) {
+        "chained"
+    } else {
+        state_kernel
+    };
     let gbs = bytes / (t * 1e-3) / 1e9;
     println!(
-        "{:>4} {:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels 2a {state_kernel}, output {out_kernel}",
+        "{:>4} {:>2} {:>6} {:>3} {:>3} {:>4} {:>2} {:>4} | ours {:>8.3} ms | cumsum {:>4.1}% state {:>4.1}% out {:>4.1}% | {:>6.0} GB/s of minimal bytes | kernels stage 2 {state_kernel}, output {out_kernel}",
         T::NAME, batch, seqlen, nheads, headdim, dstate, ngroups, chunk, t,
         100.0 * a / (a + b + c), 100.0 * b / (a + b + c), 100.0 * c / (a + b + c), gbs
     );

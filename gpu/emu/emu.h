@@ -134,3 +134,11 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
     __syncwarp();
 }
 inline float ex2_approx(float v) { return exp2f(v); }
+// The chained stage 2's hand-off: blocks run one after the other here, in launch order, so a
+// flag a block waits for was set by an earlier block; the atomics keep the host threads honest.
+inline int ld_acquire_gpu(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st_release_gpu(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+template <class T> inline T __ldcg(const T* p) { return *p; }

@@ -278,6 +278,18 @@ int main(int argc, char** argv) {
     } else {
         printf("pair kernel: not applicable\n");
     }
+    // The chained stage 2 (2a and 2b in one kernel), where the host would launch it: the same
+    // bits as pair 2a and the pass.
+    if (state_pairs && N <= 128) {
+        std::vector<float> cstC(nst, NAN), finC(nfs, NAN);
+        std::vector<int> chain(1 + (size_t)B * (H * ptiles / 2) * nc, 0);
+        launch({(unsigned)(B * (H * ptiles / 2) * nc), 1, 1}, 256, ssd_state_chained_layout.smem[0], [&] {
+            ssd_state_chained({x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstC.data(), finC.data(), chain.data(), L, H, P, G, N, Q, nc, B}); });
+        nans += cmp("chained chunk_states vs pairs", cstC, cstP, 0.0);
+        nans += cmp("chained final_states vs pairs", finC, finP, 0.0);
+    } else {
+        printf("chained stage 2: not applicable\n");
+    }
     // bf16 I/O, where the host runs the bf16 kernels (the pair kernels' shapes, headdim and
     // dstate multiples of 8): x, B, C, z rounded to bf16; the bf16 kernels against version 1 in
     // f32 on the same rounded values, within 3e-2 of the largest magnitude (bf16 operands: 2^-8
@@ -308,6 +320,14 @@ int main(int argc, char** argv) {
         launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, ssd_compute_out_pair_bf16_layout.smem[0], [&] {
             ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), cstH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
         launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outh.data(), outH.data(), (long long)nx}); });
+        if (N <= 128) {  // the chained stage 2 in bf16: the same bits as the two launches above
+            std::vector<float> cstHC(nst, NAN), finHC(nfs, NAN);
+            std::vector<int> chain(1 + (size_t)B * (H * ptiles / 2) * nc, 0);
+            launch({(unsigned)(B * (H * ptiles / 2) * nc), 1, 1}, 256, ssd_state_chained_bf16_layout.smem[0], [&] {
+                ssd_state_chained_bf16({xh.data(), bh.data(), dto.data(), dac.data(), initp, seqp, cstHC.data(), finHC.data(), chain.data(), L, H, P, G, N, Q, nc, B}); });
+            nans += cmp("chained bf16 chunk_states vs pairs", cstHC, cstH, 0.0);
+            nans += cmp("chained bf16 final_states vs pairs", finHC, finH, 0.0);
+        }
         nans += cmp("bf16 chunk_states vs v1", cstH, cstR, 3e-2);
         nans += cmp("bf16 final_states vs v1", finH, finR, 3e-2);
         nans += cmp("bf16 out vs v1", outH, outR, 3e-2);

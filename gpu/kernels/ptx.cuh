@@ -113,3 +113,15 @@ __device__ __forceinline__ float ex2_approx(float v) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
     return r;
 }
+
+// The chained stage 2's hand-off between blocks (fwd_pass_state/chained.cu): a flag read with
+// acquire and written with release semantics at GPU scope, so that the state a block wrote
+// before its release is seen by the block that acquires the flag.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}

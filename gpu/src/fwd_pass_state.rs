@@ -1,13 +1,20 @@
 //! Stage 2 on the GPU: the state entering every chunk, and the final state.
 
 use cudarc::driver::CudaSlice;
-use ssd_reference::Dims;
+use ssd_reference::{Dims, Options};
 
+use crate::error::unsupported;
 use crate::kernels::Kernel;
-use crate::params::{ChunkStateLocalParams, FwdPassStateParams, StatePassingParams, StateSizes};
+use crate::params::{
+    ChunkStateLocalParams, FwdPassStateParams, StateChainedParams, StatePassingParams, StateSizes,
+};
 use crate::runtime::{int, Args};
 use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
+
+/// Largest `dstate` of the chained stage 2: one block holds a unit's whole state rows (128
+/// columns) in its accumulators.
+const CHAINED_MAX_DSTATE: usize = 128;
 
 impl Gpu {
     /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
@@ -88,6 +95,9 @@ impl Gpu {
             .checked_mul(split_tiles)
             .and_then(|g| g.checked_mul(units))
             .filter(|&g| g <= i32::MAX as usize);
+        if let (Some(len), None) = (self.chain_len(&d, &o), seq) {
+            return self.state_chained(inputs, outputs, len);
+        }
         if let (false, Some(gx)) = (self.legacy, split_grid) {
             // 2a: every chunk's own state, in parallel.
             let mut args = Args::new(&self.stream);
@@ -176,6 +186,85 @@ impl Gpu {
         // grid by `shape::check`.
         unsafe { self.launch(Kernel::FwdPassState, grid, d.dstate, &params) }?;
         drop(args);
+        Ok(())
+    }
+
+    /// Whether stage 2 runs as the chained kernel (`ssd_state_chained`, or
+    /// `ssd_state_chained_bf16` for bf16 activations) for `dims` with `options`: the variant is
+    /// [`crate::Variant::V3`], the pair 2a kernel serves the shape, `dstate <= 128` (a block
+    /// holds a unit's whole state rows), the chains (batch x pairs of units) are at least as
+    /// many as this device's SMs, and the grid fits `i32`. Packed problems with per-sequence
+    /// initial states run the separate kernels.
+    ///
+    /// Why the chains must fill the device: each chunk waits for the state its chain's
+    /// previous chunk hands on (one L2 round trip per hop), so a chain of `nchunks` chunks
+    /// takes at least `nchunks` hops; with fewer chains than SMs the hops are not hidden behind
+    /// the other chains' work (`docs/gpu.md`, "The chained stage 2").
+    pub fn uses_chained(&self, dims: &Dims, options: &Options) -> bool {
+        self.chain_len(dims, options).is_some()
+    }
+
+    /// Length of the chained kernel's scratch (`1 + batch * pairs * nchunks`: the ticket
+    /// counter and one flag per chunk of each chain) where it serves.
+    pub(crate) fn chain_len(&self, dims: &Dims, options: &Options) -> Option<usize> {
+        if !self.chained
+            || dims.dstate > CHAINED_MAX_DSTATE
+            || self.state_local_variant(dims) != Kernel::ChunkStateLocalPair
+        {
+            return None;
+        }
+        let chains = dims.batch * (dims.nheads * dims.headdim.div_ceil(TILE_P) / 2);
+        if chains < self.sm_count {
+            return None;
+        }
+        chains
+            .checked_mul(dims.nchunks(options.chunk_size))
+            .filter(|&n| n < i32::MAX as usize)
+            .map(|n| n + 1)
+    }
+
+    /// Enqueues the chained stage 2 (`chain_len` is `Some(len)` for these sizes).
+    fn state_chained<T: IoElement>(
+        &self,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        let d = inputs.dims;
+        let o = inputs.options;
+        let Some(chain) = outputs.chain.as_mut().filter(|c| c.len() == len) else {
+            return Err(unsupported(
+                "the outputs were allocated by a Gpu of another variant: they hold no scratch for the chained stage 2 (allocate them with this Gpu)",
+            ));
+        };
+        self.stream.memset_zeros(chain)?;
+        let mut args = Args::new(&self.stream);
+        let params = StateChainedParams {
+            x: args.read(&inputs.x),
+            b: args.read(&inputs.B),
+            dt_out: args.read(&outputs.dt),
+            da_cumsum: args.read(&outputs.dA_cumsum),
+            initial_states: args.opt(inputs.initial_states.as_ref()),
+            seq_idx: args.opt(inputs.seq_idx.as_ref()),
+            chunk_states: args.write(&mut outputs.chunk_states),
+            final_states: args.write(&mut outputs.final_states),
+            chain: args.write(chain),
+            sizes: StateSizes::new(&d, &o),
+            batch: int(d.batch),
+        };
+        let kernel = if T::BF16 {
+            Kernel::StateChainedBf16
+        } else {
+            Kernel::StateChained
+        };
+        // SAFETY: `StateChainedParams` is the struct of both chained kernels
+        // (kernels/fwd_pass_state/chained.cu: bf16 x and B for the second, which `T` is then);
+        // every buffer was checked against the sizes (`check_buffers`); `chain_len` checked
+        // what the pair 2a kernel asks (an even count of units per group, 16-byte copies; for
+        // bf16 `check_bf16` above), dstate <= 128, and the grid (one block per ticket, `len - 1`
+        // < i32::MAX); the scratch has `len` flags and was cleared above on this stream; the
+        // dynamic shared memory fits this device (`chained`).
+        unsafe { self.launch(kernel, ((len - 1) as u32, 1, 1), d.dstate, &params) }?;
         Ok(())
     }
 

@@ -32,6 +32,7 @@ sources!(
     "fwd_pass_state/pair.cu",
     "fwd_pass_state/passing.cu",
     "fwd_pass_state/bf16.cu",
+    "fwd_pass_state/chained.cu",
     "compute_out/tiles.cuh",
     "compute_out/fused.cu",
     "compute_out/scores.cu",
@@ -85,12 +86,16 @@ pub enum Kernel {
     WidenBf16,
     /// f32 to bf16, element-wise (the bf16 fallback's `out`).
     NarrowBf16,
+    /// Stage 2 (2a and 2b) in one kernel, chained over the chunks (version 3).
+    StateChained,
+    /// The chained stage 2 with bf16 `x` and `B`.
+    StateChainedBf16,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 19] = [
+    pub const ALL: [Kernel; 21] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -110,6 +115,8 @@ impl Kernel {
         Kernel::ComputeOutPairBf16,
         Kernel::WidenBf16,
         Kernel::NarrowBf16,
+        Kernel::StateChained,
+        Kernel::StateChainedBf16,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -134,6 +141,8 @@ impl Kernel {
             Kernel::ComputeOutPairBf16 => "ssd_compute_out_pair_bf16",
             Kernel::WidenBf16 => "ssd_widen_bf16",
             Kernel::NarrowBf16 => "ssd_narrow_bf16",
+            Kernel::StateChained => "ssd_state_chained",
+            Kernel::StateChainedBf16 => "ssd_state_chained_bf16",
         }
     }
 
@@ -158,7 +167,9 @@ impl Kernel {
             | Kernel::ChunkStateLocalPairBf16
             | Kernel::ComputeOutPairBf16
             | Kernel::WidenBf16
-            | Kernel::NarrowBf16 => 256,
+            | Kernel::NarrowBf16
+            | Kernel::StateChained
+            | Kernel::StateChainedBf16 => 256,
         }
     }
 
@@ -183,6 +194,7 @@ impl Kernel {
             Kernel::SeqInitOut => size_of::<SeqInitOutParams>(),
             Kernel::StatesAt => size_of::<StatesAtParams>(),
             Kernel::WidenBf16 | Kernel::NarrowBf16 => size_of::<ConvertParams>(),
+            Kernel::StateChained | Kernel::StateChainedBf16 => size_of::<StateChainedParams>(),
         }
     }
 

@@ -10,11 +10,15 @@
 //! 3. [`Gpu::compute_out`]: the carried-state term, the causally masked and decayed
 //!    `C B^T` times `dt' x` built tile by tile on chip, the `D` skip and the `z` gate -> `out`.
 //!
-//! By default the kernels are version 2, validated on the H200: stages 2 and 3 launch two
-//! kernels each (a parallel per-chunk state product and a per-element pass across chunks; the
-//! scores `C B^T` once per group, then a cp.async double-buffered output kernel).
-//! [`Variant::V1`] (one kernel per stage) and [`Variant::V2Unpaired`] are kept for comparison:
-//! pass a [`GpuConfig`] to [`Gpu::with_config`]. Nothing in this crate reads the environment.
+//! By default the kernels are version 3, validated on the H200: version 2 (stages 2 and 3 in
+//! two kernels each: a parallel per-chunk state product and a per-element pass across chunks;
+//! the scores `C B^T` once per group, then a cp.async pipelined output kernel), with stage 2
+//! in one kernel chained over the chunks where the shape fills the device
+//! ([`Gpu::uses_chained`]): each block computes its chunk's own state in registers and hands
+//! the running state on to the next chunk's block through L2, with the same bits as version 2.
+//! [`Variant::V2`] (the stage-by-stage kernels), [`Variant::V2Unpaired`] and [`Variant::V1`]
+//! (one kernel per stage) are kept for comparison: pass a [`GpuConfig`] to
+//! [`Gpu::with_config`]. Nothing in this crate reads the environment.
 //!
 //! Packed sequences (serving: `cu_seqlens`, one initial state per sequence, each sequence's
 //! final state, states at listed tokens) run through the same stages plus two small kernels:
@@ -33,7 +37,8 @@
 //! each) are compiled by NVRTC once per process for
 //! the device's target (`sm_90a` on Hopper, `compute_80` PTX on other devices of compute
 //! capability 8.0 or newer). Limits: [`MAX_DSTATE`], [`MAX_CHUNK_SIZE`]; any `headdim`,
-//! `seqlen`, `ngroups`. Results are bitwise reproducible (no atomics, fixed summation order).
+//! `seqlen`, `ngroups`. Results are bitwise reproducible (fixed summation order; the one
+//! atomic, the chained stage 2's block ticket, orders blocks and never touches a value).
 //! `docs/gpu.md` in the repository has the details.
 
 mod chunk_cumsum;

@@ -208,6 +208,23 @@ pub(crate) struct ConvertParams {
     pub n: i64,
 }
 
+/// `ssd_state_chained` and `ssd_state_chained_bf16` (`fwd_pass_state/chained.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StateChainedParams {
+    pub x: u64,
+    pub b: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub initial_states: u64,
+    pub seq_idx: u64,
+    pub chunk_states: u64,
+    pub final_states: u64,
+    pub chain: u64,
+    pub sizes: StateSizes,
+    pub batch: i32,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
 // sizes are asserted below, in the C source and against the loaded module).
 unsafe impl DeviceRepr for ChunkCumsumParams {}
@@ -229,6 +246,8 @@ unsafe impl DeviceRepr for SeqInitOutParams {}
 unsafe impl DeviceRepr for StatesAtParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for ConvertParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for StateChainedParams {}
 
 const _: () = {
     use std::mem::size_of;
@@ -243,4 +262,5 @@ const _: () = {
     assert!(size_of::<SeqInitOutParams>() == 80);
     assert!(size_of::<StatesAtParams>() == 96);
     assert!(size_of::<ConvertParams>() == 24);
+    assert!(size_of::<StateChainedParams>() == 104);
 };

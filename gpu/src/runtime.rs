@@ -21,8 +21,12 @@ use crate::GpuError;
 /// one [`Gpu`] per variant to run them all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Variant {
-    /// Version 2 with the kernels over pairs of units where they apply and fit the device.
+    /// Version 3: version 2, with stage 2 in one kernel chained over the chunks
+    /// (`ssd_state_chained`) where it applies ([`Gpu::uses_chained`]).
     #[default]
+    V3,
+    /// Version 2 with the kernels over pairs of units where they apply and fit the device:
+    /// the stage-by-stage path.
     V2,
     /// Version 2 without the kernels over pairs of units (`ssd_chunk_state_local_wide` and
     /// `ssd_compute_out_cb128` everywhere).
@@ -34,7 +38,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every variant, the default first.
-    pub const ALL: [Variant; 3] = [Variant::V2, Variant::V2Unpaired, Variant::V1];
+    pub const ALL: [Variant; 4] = [Variant::V3, Variant::V2, Variant::V2Unpaired, Variant::V1];
 }
 
 /// How a [`Gpu`] is opened: passed to [`Gpu::with_config`]; nothing in this crate reads the
@@ -57,15 +61,18 @@ impl GpuConfig {
     }
 
     /// The configuration the command-line tools take from the environment: `SSD_GPU_V1=1`
-    /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`]; device 0.
+    /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`], else
+    /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; device 0.
     pub fn from_env() -> Self {
         let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x == v);
         let variant = if on("SSD_GPU_V1", "1") {
             Variant::V1
         } else if on("SSD_GPU_PAIR", "0") {
             Variant::V2Unpaired
-        } else {
+        } else if on("SSD_GPU_CHAINED", "0") {
             Variant::V2
+        } else {
+            Variant::V3
         };
         GpuConfig::variant(variant)
     }
@@ -82,8 +89,12 @@ pub struct Gpu {
     functions: Vec<CudaFunction>,
     layouts: Vec<KernelLayout>,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
-    /// variant is [`Variant::V2`] and their shared memory fits this device.
+    /// variant is [`Variant::V2`] or [`Variant::V3`] and their shared memory fits this device.
     pub(crate) pairs: bool,
+    /// Whether the chained stage 2 may be used: [`Variant::V3`], and it fits this device.
+    pub(crate) chained: bool,
+    /// Streaming multiprocessors of this device.
+    pub(crate) sm_count: usize,
     /// True for [`Variant::V1`].
     pub(crate) legacy: bool,
     config: GpuConfig,
@@ -156,6 +167,8 @@ impl Gpu {
         let max_smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize;
+        let sm_count =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         for k in Kernel::ALL {
@@ -184,15 +197,21 @@ impl Gpu {
         }
         let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= max_smem_optin;
         let legacy = config.variant == Variant::V1;
-        let pairs = config.variant == Variant::V2
+        let pairs = matches!(config.variant, Variant::V2 | Variant::V3)
             && fits(Kernel::ComputeOutPair)
             && fits(Kernel::ChunkStateLocalPair);
+        let chained = pairs
+            && config.variant == Variant::V3
+            && fits(Kernel::StateChained)
+            && fits(Kernel::StateChainedBf16);
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         Ok(Gpu {
             stream,
             functions,
             layouts,
             pairs,
+            chained,
+            sm_count,
             legacy,
             config,
             target,
@@ -333,8 +352,8 @@ impl Gpu {
     }
 
     /// Why the bf16 kernels do not serve `dims` with `options`, if they do not: they are
-    /// version 2's kernels over pairs of units (the default variant, where they fit this
-    /// device), so they ask what those ask (an even number of 64-column units per group, chunks
+    /// version 2's kernels over pairs of units (in [`Variant::V3`], the default, and
+    /// [`Variant::V2`], where they fit this device), so they ask what those ask (an even number of 64-column units per group, chunks
     /// of 65 to 512 tokens, every offset within 32 bits), `headdim` and `dstate` multiples of 8
     /// (16-byte rows of bf16), and a 2a grid within `i32`.
     ///
@@ -342,7 +361,7 @@ impl Gpu {
     /// [`GpuError::Unsupported`] saying which condition fails.
     pub fn check_bf16(&self, dims: &Dims, options: &Options) -> Result<(), GpuError> {
         let why = if !self.pairs {
-            "they run only in the default kernel variant (Variant::V2), where the pair kernels fit the device"
+            "they run only in the kernel variants with the pair kernels (Variant::V3, the default, and Variant::V2), where those fit the device"
         } else if !(dims.headdim.is_multiple_of(8) && dims.dstate.is_multiple_of(8)) {
             "headdim and dstate must be multiples of 8"
         } else if shape::scores_len(dims, options).is_none()
@@ -415,6 +434,11 @@ impl Gpu {
             scores: match shape::scores_len(dims, options) {
                 Some(n) if !self.legacy => Some(alloc(n)?),
                 _ => None,
+            },
+            chain: match self.chain_len(dims, options) {
+                // SAFETY: the chained kernel's scratch is cleared on the stream before each use.
+                Some(n) => Some(unsafe { self.stream.alloc::<i32>(n) }?),
+                None => None,
             },
         })
     }
@@ -567,6 +591,9 @@ pub struct DeviceOutputs<T: IoElement = f32> {
     /// 64-row tiles on or below the diagonal), `[batch, nchunks, ngroups, npairs, 64, 64]`;
     /// `None` where that path does not apply ([`shape::scores_len`]).
     pub(crate) scores: Option<CudaSlice<f32>>,
+    /// Scratch of the chained kernel: its ticket counter and one flag per (batch, pair of
+    /// units, chunk); `None` where it does not serve ([`Gpu::uses_chained`]).
+    pub(crate) chain: Option<CudaSlice<i32>>,
 }
 
 impl<T: IoElement> DeviceOutputs<T> {

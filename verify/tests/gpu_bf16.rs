@@ -76,9 +76,17 @@ fn gpu_bf16_kernel_shapes() {
     );
 }
 
+#[test]
+fn gpu_bf16_chained_matches_stage_by_stage() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_chained_matches_stage_by_stage") else {
+        return;
+    };
+    check_chained("chained bf16", &gpus, Io::Bf16, 0xC4B_0000, 14_000_000);
+}
+
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): on the bf16 kernels
 /// with every option, seq_idx, ragged seqlen, ngroups > 1, dstate 256 and 8, chunk 512; and
-/// one shape each variant widens (headdim 36).
+/// one shape each variant widens (headdim 36); and one on the chained stage 2 (132 chains).
 pub fn bf16_sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
     let dims = Dims::new;
     let mut specs = vec![
@@ -87,6 +95,8 @@ pub fn bf16_sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
         ProblemSpec::full(dims(1, 700, 4, 40, 2, 8), 512),
         ProblemSpec::plain(dims(1, 256, 2, 64, 1, 128)),
         ProblemSpec::full(dims(1, 200, 2, 36, 1, 16), 128),
+        // 132 chains: the chained stage 2 on the H200, 3 chunks, every option.
+        ProblemSpec::full(dims(1, 300, 264, 64, 2, 128), 128),
     ];
     specs[1].seq_idx = SeqIdx::AtChunkStarts { every: 1 };
     specs[2].d = DSkip::PerHead;

@@ -56,8 +56,17 @@ fn gpu_fuzz_pair_kernel_shapes() {
     );
 }
 
+#[test]
+fn gpu_chained_matches_stage_by_stage() {
+    let Some(gpus) = gpus_or_skip("gpu_chained_matches_stage_by_stage") else {
+        return;
+    };
+    check_chained("chained f32", &gpus, Io::F32, 0xC4A_0000, 13_000_000);
+}
+
 /// Fixed shapes for the sanitizer runs (and a quick check of their own): ragged seqlen,
-/// seq_idx, ngroups > 1, every option, dstate at the limit, chunk 256 and the largest chunk.
+/// seq_idx, ngroups > 1, every option, dstate at the limit, chunk 256 and the largest chunk,
+/// and one on the chained stage 2 (132 chains).
 pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
     let dims = Dims::new;
     let mut specs = vec![
@@ -66,6 +75,8 @@ pub fn sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
         ProblemSpec::full(dims(1, 70, 2, 16, 2, 16), ssd_gpu::MAX_CHUNK_SIZE),
         ProblemSpec::full(dims(2, 33, 6, 65, 3, 9), 1),
         ProblemSpec::plain(dims(1, 256, 2, 64, 1, 128)),
+        // 132 chains: the chained stage 2 on the H200, 3 chunks, every option.
+        ProblemSpec::full(dims(1, 300, 264, 64, 2, 128), 128),
     ];
     specs[1].seq_idx = SeqIdx::AtChunkStarts { every: 1 };
     specs[3].d = DSkip::PerHead;

@@ -39,7 +39,10 @@ struct ChunkStateLocalBf16Params {
 };
 static_assert(sizeof(ChunkStateLocalBf16Params) == sizeof(ChunkStateLocalParams), "one Rust struct for the 2a kernels");
 
-extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_bf16(const ChunkStateLocalBf16Params p) {
+// The block's tile is (batch b, chunk c, dstate columns n0 .. n0 + 127, pair `pair`); its
+// product lands in acc (warp w's 32 x 64 tile, rows in the standard fragment order).
+__device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStateLocalBf16Params& p, int b, int c,
+                                                                 int n0, int pair, float (&acc)[2][8][4]) {
     SSD_DYNAMIC_SMEM(smem_raw);
     ChunkStateLocalPairBf16Smem& sm = *reinterpret_cast<ChunkStateLocalPairBf16Smem*>(smem_raw);
     constexpr int NT = 256, TK = 32;
@@ -48,13 +51,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_
     const int u = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
     float* ws = sm.w[warp];
     const void** ptab = sm.base;
-    const int ntiles_n = (p.dstate + 127) / 128;
     const int ptiles = (p.headdim + 63) / 64;
-    int ct, pair;  // ct: chunk and 128 dstate columns
-    tile_and_unit(p.nheads * ptiles / 2, ct, pair);
-    const int c = ct / ntiles_n;
-    const int n0 = (ct % ntiles_n) * 128;
-    const int b = blockIdx.z;
     const int h_0 = (2 * pair) / ptiles, p_0 = ((2 * pair) % ptiles) * 64;
     const int h_1 = (2 * pair + 1) / ptiles, p_1 = ((2 * pair + 1) % ptiles) * 64;
     const int rows_0 = min(64, p.headdim - p_0), rows_1 = min(64, p.headdim - p_1);
@@ -66,8 +63,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_
     const int last = (int)min((i64)p.chunk_size, (i64)p.seqlen - t0) - 1;
     const i64 cb_0 = (((i64)b * p.nheads + h_0) * p.nchunks + c) * p.chunk_size;
     const i64 cb_1 = (((i64)b * p.nheads + h_1) * p.nchunks + c) * p.chunk_size;
-    // This warp's unit.
-    const int h = u ? h_1 : h_0, p0 = u ? p_1 : p_0, rows_p = u ? rows_1 : rows_0;
+    // This warp's unit's head.
     const float csl_last = p.dA_cumsum[(u ? cb_1 : cb_0) + last] * LOG2E_F;
     const int* seq_row = p.seq_idx != nullptr ? p.seq_idx + (i64)b * p.seqlen + t0 : nullptr;
     const int seq_last = seq_row != nullptr ? seq_row[last] : 0;
@@ -101,7 +97,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_
         }
     };
 
-    float acc[2][8][4];
     zero_2xn(acc);
     // ldmatrix.trans rows of this lane for the A fragments: token kk + 8 ((lane >> 4) & 1) +
     // (lane & 7), column (p) u 64 + wm 32 + 16 mi + 8 ((lane >> 3) & 1).
@@ -146,8 +141,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_
                 for (int nf = 0; nf < 8; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
         }
     }
+}
 
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair_bf16(const ChunkStateLocalBf16Params p) {
+    const int ntiles_n = (p.dstate + 127) / 128;
+    const int ptiles = (p.headdim + 63) / 64;
+    int ct, pair;  // ct: chunk and 128 dstate columns
+    tile_and_unit(p.nheads * ptiles / 2, ct, pair);
+    const int c = ct / ntiles_n, n0 = (ct % ntiles_n) * 128, b = blockIdx.z;
+    float acc[2][8][4];
+    chunk_state_local_pair_bf16_body(p, b, c, n0, pair, acc);
     // Store: rows wm 32 + 16 mi + g + 8 hf, columns wn 64 + 8 nf + 2 q (+1); dstate is even.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wm = (warp >> 1) & 1, wn = warp & 1;
+    const int unit = 2 * pair + (warp >> 2);
+    const int h = unit / ptiles, p0 = (unit % ptiles) * 64;
+    const int rows_p = min(64, p.headdim - p0), cols_n = min(128, p.dstate - n0);
     float* cst = p.chunk_states + (((i64)b * p.nchunks + c) * p.nheads + h) * p.headdim * p.dstate;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)

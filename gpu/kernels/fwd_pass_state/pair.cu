@@ -12,10 +12,12 @@
 // Every copy is 16 bytes wide: headdim and dstate multiples of 4 (the host's condition).
 #define SP_S 136
 #define SP_STAGE (2 * 32 * SP_S + 160)
+// The block's tile is (batch b, chunk c, dstate columns n0 .. n0 + 127, pair `pair`); its
+// product lands in acc (warp w's 32 x 64 tile, rows in the order of store_state_tile).
 __device__ __forceinline__ void chunk_state_local_pair_body(
     const float* __restrict__ x, const float* __restrict__ Bm, const float* __restrict__ dt_out,
-    const float* __restrict__ dA_cumsum, const int* __restrict__ seq_idx, float* __restrict__ chunk_states,
-    int seqlen, int nheads, int headdim, int ngroups, int dstate, int chunk_size, int nchunks)
+    const float* __restrict__ dA_cumsum, const int* __restrict__ seq_idx, int seqlen, int nheads, int headdim,
+    int ngroups, int dstate, int chunk_size, int nchunks, int b, int c, int n0, int pair, float (&acc)[2][8][4])
 {
     SSD_DYNAMIC_SMEM(smem);
     constexpr int NT = 256, TK = 32;
@@ -24,13 +26,7 @@ __device__ __forceinline__ void chunk_state_local_pair_body(
     const int u = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
     float* ws = smem + 3 * SP_STAGE + warp * TK;  // this warp's w of the current stage
     const float** ptab = (const float**)(smem + 3 * SP_STAGE + 8 * TK);
-    const int ntiles_n = (dstate + 127) / 128;
     const int ptiles = (headdim + 63) / 64;
-    int ct, pair;  // ct: chunk and 128 dstate columns
-    tile_and_unit(nheads * ptiles / 2, ct, pair);
-    const int c = ct / ntiles_n;
-    const int n0 = (ct % ntiles_n) * 128;
-    const int b = blockIdx.z;
     const int h_0 = (2 * pair) / ptiles, p_0 = ((2 * pair) % ptiles) * 64;
     const int h_1 = (2 * pair + 1) / ptiles, p_1 = ((2 * pair + 1) % ptiles) * 64;
     const int rows_0 = min(64, headdim - p_0), rows_1 = min(64, headdim - p_1);
@@ -42,8 +38,7 @@ __device__ __forceinline__ void chunk_state_local_pair_body(
     const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
     const i64 cb_0 = (((i64)b * nheads + h_0) * nchunks + c) * chunk_size;
     const i64 cb_1 = (((i64)b * nheads + h_1) * nchunks + c) * chunk_size;
-    // This warp's unit.
-    const int h = u ? h_1 : h_0, p0 = u ? p_1 : p_0, rows_p = u ? rows_1 : rows_0;
+    // This warp's unit's head.
     const float csl_last = dA_cumsum[(u ? cb_1 : cb_0) + last] * LOG2E_F;
     const int* seq_row = seq_idx != nullptr ? seq_idx + (i64)b * seqlen + t0 : nullptr;
     const int seq_last = seq_row != nullptr ? seq_row[last] : 0;
@@ -78,7 +73,6 @@ __device__ __forceinline__ void chunk_state_local_pair_body(
         }
     };
 
-    float acc[2][8][4];
     zero_2xn(acc);
 
     __syncthreads();  // the base addresses
@@ -108,9 +102,6 @@ __device__ __forceinline__ void chunk_state_local_pair_body(
             state_kstep<8>(acc, xa, SP_S, bb, SP_S, ws, kk, q);
         }
     }
-
-    float* cst = chunk_states + (((i64)b * nchunks + c) * nheads + h) * headdim * dstate;
-    store_state_tile(cst, acc, dstate, p0, n0, wm, wn * 64, g, q, rows_p, cols_n);
 }
 
 // The pair kernel's dynamic shared memory, as the body above carves it.
@@ -128,6 +119,20 @@ static_assert(sizeof(ChunkStateLocalPairSmem::Stage) == SP_STAGE * 4, "the pair 
 static_assert(sizeof(ChunkStateLocalPairSmem) == (3 * SP_STAGE + 8 * 32) * 4 + 64, "the pair kernel's layout");
 
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_chunk_state_local_pair(const ChunkStateLocalParams p) {
-    chunk_state_local_pair_body(CHUNK_STATE_LOCAL_FIELDS);
+    const int ntiles_n = (p.dstate + 127) / 128;
+    const int ptiles = (p.headdim + 63) / 64;
+    int ct, pair;  // ct: chunk and 128 dstate columns
+    tile_and_unit(p.nheads * ptiles / 2, ct, pair);
+    const int c = ct / ntiles_n, n0 = (ct % ntiles_n) * 128, b = blockIdx.z;
+    float acc[2][8][4];
+    chunk_state_local_pair_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.seq_idx, p.seqlen, p.nheads, p.headdim,
+                                p.ngroups, p.dstate, p.chunk_size, p.nchunks, b, c, n0, pair, acc);
+    // Warp w's tile: unit w / 4, rows 32 ((w / 2) % 2), columns 64 (w % 2).
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int unit = 2 * pair + (warp >> 2);
+    const int h = unit / ptiles, p0 = (unit % ptiles) * 64;
+    float* cst = p.chunk_states + (((i64)b * p.nchunks + c) * p.nheads + h) * p.headdim * p.dstate;
+    store_state_tile(cst, acc, p.dstate, p0, n0, (warp >> 1) & 1, (warp & 1) * 64, lane >> 2, lane & 3,
+                     min(64, p.headdim - p0), min(128, p.dstate - n0));
 }
 SSD_LAYOUT_FIXED(ssd_chunk_state_local_pair, ChunkStateLocalParams, sizeof(ChunkStateLocalPairSmem));

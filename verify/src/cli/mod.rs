@@ -415,7 +415,7 @@ fn gpu_forward(
         )));
     };
     let unavailable = |e: ssd_gpu::GpuError| VerifyError::Unavailable(e.to_string());
-    // The kernel variant from the environment (`SSD_GPU_V1=1`, `SSD_GPU_PAIR=0`; see
+    // The kernel variant from the environment (`SSD_GPU_V1=1`, `SSD_GPU_PAIR=0`, `SSD_GPU_CHAINED=0`; see
     // `GpuConfig::from_env`), the default one otherwise.
     let gpu = ssd_gpu::gpu_for(ssd_gpu::GpuConfig::from_env()).map_err(unavailable)?;
     fn timed<T: ssd_gpu::IoElement>(

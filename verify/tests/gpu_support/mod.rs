@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
-use ssd_reference::random::{random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng};
+use ssd_reference::random::{
+    random_pair_spec, random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng,
+};
 use ssd_reference::{ChunkedOutput, Problem};
 use ssd_verify::fixture::{round_inputs, Dtype, FloatDtype};
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
@@ -277,6 +279,90 @@ pub fn run_served_cases(
     }
     assert_eq!(taken, specs.len(), "{label}: shapes off the {kernels}");
     report(label, &run_cases(gpus, specs, io), specs.len());
+}
+
+/// A shape the chained stage 2 serves on a device of up to 132 SMs (the H200's count): a pair
+/// kernel shape (`random_pair_spec`, every option) with `dstate` 68 to 128, enough groups that
+/// the chains (batch x pairs of units) number 132 to 200, and 2 to 3 chunks (so that states
+/// are handed on), `headdim` and `dstate` multiples of `multiple` (8 for the bf16 kernels).
+pub fn chained_spec(rng: &mut SpecRng, multiple: usize) -> ProblemSpec {
+    let mut spec = random_pair_spec(rng, 4_000_000);
+    let d = &mut spec.dims;
+    d.headdim = d.headdim.next_multiple_of(multiple);
+    d.dstate = (4 * rng.range(17, 32)).next_multiple_of(multiple);
+    let heads_per_group = d.nheads / d.ngroups;
+    // An even count of 64-column units per group (random_pair_spec's), so pairs = units / 2.
+    let pairs_per_group = heads_per_group * d.headdim.div_ceil(64) / 2;
+    d.ngroups = rng
+        .range(132, 200)
+        .div_ceil(d.batch * pairs_per_group)
+        .max(1);
+    d.nheads = d.ngroups * heads_per_group;
+    let chunk = rng.pick(&[128usize, 256]);
+    spec.options.chunk_size = chunk;
+    spec.dims.seqlen = rng.range(chunk + 1, 3 * chunk);
+    spec
+}
+
+/// The chained stage 2's test in `io`: `SSD_GPU_CHAINED_CASES` (default 64) [`chained_spec`]
+/// shapes drawn from `salt`, seeded from `seed0`, bitwise against version 2
+/// ([`assert_chained_matches_staged`]), and the first 16 against the float64 reference under
+/// every variant.
+pub fn check_chained(label: &str, gpus: &[(Variant, Arc<Gpu>)], io: Io, salt: u64, seed0: u64) {
+    let multiple = if io == Io::Bf16 { 8 } else { 4 };
+    let specs = draw_specs(env_usize("SSD_GPU_CHAINED_CASES", 64), salt, seed0, |rng| {
+        chained_spec(rng, multiple)
+    });
+    assert_chained_matches_staged(label, gpus, &specs, io);
+    let some = &specs[..specs.len().min(16)];
+    report(
+        &format!("{label} shapes"),
+        &run_cases(gpus, some, io),
+        some.len(),
+    );
+}
+
+/// Runs each spec (seeded) that the chained kernel serves ([`Gpu::uses_chained`] on
+/// [`Variant::V3`]) under [`Variant::V3`] and [`Variant::V2`], activations in `io`, and asserts
+/// bitwise identical outputs: the chained kernel computes the stage-by-stage kernels' products
+/// in the same order. Says so when this device runs no chained kernel on these shapes.
+pub fn assert_chained_matches_staged(
+    label: &str,
+    gpus: &[(Variant, Arc<Gpu>)],
+    specs: &[(ProblemSpec, u64)],
+    io: Io,
+) {
+    let find = |v: Variant| gpus.iter().find(|(x, _)| *x == v).map(|(_, g)| g.clone());
+    let (Some(chained), Some(staged)) = (find(Variant::V3), find(Variant::V2)) else {
+        println!("{label}: skipped: the chained or the stage-by-stage variant is not open");
+        return;
+    };
+    let mut served = 0;
+    for (spec, seed) in specs {
+        if !chained.uses_chained(&spec.dims, &spec.options) {
+            continue;
+        }
+        let (p32, _) = io.problems(&random_problem(spec, *seed).expect("valid spec"));
+        let a = bits(&io.forward(&chained, &p32).expect("GPU forward (chained)"));
+        let b = bits(
+            &io.forward(&staged, &p32)
+                .expect("GPU forward (stage by stage)"),
+        );
+        assert!(
+            a == b,
+            "{label}: the chained kernel and the stage-by-stage kernels differ ({io:?}) on {}",
+            describe(spec, *seed)
+        );
+        served += 1;
+    }
+    if served == 0 {
+        println!("{label}: skipped: this device runs the chained stage 2 on none of these shapes");
+        return;
+    }
+    println!(
+        "{label}: chained stage 2 in {served} of {} cases, bitwise equal to the stage-by-stage kernels",
+        specs.len()
+    );
 }
 
 /// Runs each spec (seeded) 4 times under every variant of `gpus` with activations in `io` and

@@ -1,0 +1,174 @@
+// Stage 2, 2a and 2b in one kernel, chained over the chunks (the host's choice where it
+// applies, Variant::V3, see docs/gpu.md): ssd_state_chained and ssd_state_chained_bf16. They
+// compute what 2a's pair kernels and 2b compute, bit for bit (the same products in the same
+// order, the same fused multiply-add of the pass), without writing each chunk's own state L_c
+// to memory and reading it back.
+//
+// One block of 256 threads (8 warps, two blocks per SM) per (batch b, pair of units, chunk c),
+// the pairs and units of 2a's pair kernel (pair.cu: a unit is a head h and 64 of its headdim
+// rows p, both units of a pair in one group), dstate <= 128 (one block holds both units' whole
+// [64, dstate] tiles). A chain is a (b, pair); its blocks hand the state on from chunk to
+// chunk. Blocks take their (chain, chunk) from a ticket (an atomic counter), chunk-major: a
+// block waits only for a block that took its ticket earlier and so is running or done, which
+// rules out a deadlock whatever order the hardware starts blocks in. With S_c =
+// chunk_states[b, c, h] (the state entering chunk c, S_0 the initial state or 0), block
+// (b, pair, c):
+//   A. computes L_c for both units into the tensor-core accumulators (2a's pair body, pair.cu,
+//      or its bf16 twin, bf16.cu);
+//   B. waits until chunk c - 1's block has published S_c (its flag set, acquire), writes
+//      S_{c+1} = fma(scale_c, S_c, L_c) (2b's formula, scale_c = exp(cs[last_c]) if
+//      seq(last_c) = seq(last_{c-1}), else 0) to chunk_states[b, c + 1] (final_states after
+//      the last chunk; at c = 0 also S_0 to chunk_states[b, 0]), and releases chunk c + 1's
+//      flag (fence, release).
+// So the states cross HBM twice in the forward (written here, read by 3b) instead of four
+// times (2a's write, 2b's read and write, 3b's read). Only phase B lies on a chain's critical
+// path: one round trip through L2 per chunk (S_c was written there by the previous block).
+// Scratch: chain[0] the ticket counter, then one flag per (b, pair, chunk), chunk-minor; all
+// zero at launch (the host clears them on the stream before each launch).
+
+// Dynamic shared memory: 2a's pair layout (or its bf16 twin), then the ticket.
+template <typename Smem>
+struct StateChainedSmem {
+    Smem state;
+    int ticket;
+    int pad[3];
+};
+static_assert(sizeof(StateChainedSmem<ChunkStateLocalPairSmem>) <= 113 * 1024, "two blocks per Hopper SM");
+static_assert(sizeof(StateChainedSmem<ChunkStateLocalPairBf16Smem>) <= 113 * 1024, "two blocks per Hopper SM");
+
+// The parameters of ssd_state_chained and ssd_state_chained_bf16 (Rust: StateChainedParams;
+// X is float or bf16_t: x and B).
+template <typename X>
+struct StateChainedParamsT {
+    const X* x;                   // [batch, seqlen, nheads, headdim]
+    const X* Bm;                  // [batch, seqlen, ngroups, dstate]
+    const float* dt_out;          // [batch, nheads, nchunks, chunk_size]
+    const float* dA_cumsum;       // [batch, nheads, nchunks, chunk_size]
+    const float* initial_states;  // [batch, nheads, headdim, dstate] or null
+    const int* seq_idx;           // [batch, seqlen] or null
+    float* chunk_states;          // [batch, nchunks, nheads, headdim, dstate]
+    float* final_states;          // [batch, nheads, headdim, dstate]
+    int* chain;                   // [1 + batch * pairs * nchunks], zero at launch
+    int seqlen, nheads, headdim, ngroups, dstate, chunk_size, nchunks;
+    int batch;
+};
+typedef StateChainedParamsT<float> StateChainedParams;
+typedef StateChainedParamsT<bf16_t> StateChainedBf16Params;
+static_assert(sizeof(StateChainedParams) == 104, "StateChainedParams: the Rust struct has 104 bytes");
+static_assert(sizeof(StateChainedBf16Params) == 104, "one Rust struct for both");
+
+// The block's part of the hand-off (phase B) for (b, pair, c), its chunk's own state in acc
+// (warp w: unit w / 4, rows 32 ((w / 2) % 2), columns 64 (w % 2); within the 32 rows, fragment
+// row (mi, hf) at 4 g + 2 mi + hf, as store_state_tile, or at 16 mi + g + 8 hf with rows16).
+// Waits for S_c, writes S_{c+1} = fma(scale_c, S_c, L_c) (and S_0 at c = 0), releases c + 1.
+template <bool rows16>
+__device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], const float* __restrict__ dA_cumsum,
+                                               const int* __restrict__ seq_idx, const float* initial_states,
+                                               float* chunk_states, float* final_states, int* flags, int seqlen,
+                                               int nheads, int headdim, int dstate, int chunk_size, int nchunks, int b,
+                                               int c, int pair) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int ptiles = (headdim + 63) / 64;
+    const int unit = 2 * pair + (warp >> 2);
+    const int h = unit / ptiles, p0 = (unit % ptiles) * 64;
+    const int wm = (warp >> 1) & 1, col0 = (warp & 1) * 64;
+    const int rows_p = min(64, headdim - p0), cols_n = min(128, dstate);
+    const i64 bh = (i64)b * nheads + h;
+    const i64 n = (i64)headdim * dstate;
+    const i64 t0 = (i64)c * chunk_size;
+    const int last = (int)min((i64)chunk_size, (i64)seqlen - t0) - 1;
+    const float cs_last = dA_cumsum[(bh * nchunks + c) * chunk_size + last];
+    int seq_last = 0, seq_prev = 0;
+    if (seq_idx != nullptr) {
+        seq_last = seq_idx[(i64)b * seqlen + t0 + last];
+        seq_prev = c > 0 ? seq_idx[(i64)b * seqlen + t0 - 1] : 0;
+    }
+    const float scale = seq_last == seq_prev ? expf(cs_last) : 0.0f;
+    float* st_c = chunk_states + (((i64)b * nchunks + c) * nheads + h) * n;
+    const float* src = c > 0 ? st_c : (initial_states != nullptr ? initial_states + bh * n : nullptr);
+    float* dst = c + 1 < nchunks ? st_c + (i64)nheads * n : final_states + bh * n;
+    if (tid == 0 && c > 0) {
+        while (ld_acquire_gpu(flags + c) == 0) __nanosleep(100);
+    }
+    __syncthreads();  // S_c is published
+    // 16 of the thread's 64 elements at a time: their loads first, all in flight together
+    // (one L2 round trip per group on the chain's critical path, not one per element), then
+    // the fma and the stores. Pairs of neighbouring columns: dstate is a multiple of 4.
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
+            if (pr >= rows_p) continue;
+            const i64 row = (i64)(p0 + pr) * dstate;
+            float2 sv[8];
+#pragma unroll
+            for (int nf = 0; nf < 8; ++nf) {
+                const int nc = col0 + nf * 8 + 2 * q;
+                sv[nf] = src != nullptr && nc < cols_n ? __ldcg(reinterpret_cast<const float2*>(src + row + nc))
+                                                      : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int nf = 0; nf < 8; ++nf) {
+                const int nc = col0 + nf * 8 + 2 * q;
+                if (nc >= cols_n) continue;
+                if (c == 0) *reinterpret_cast<float2*>(st_c + row + nc) = sv[nf];
+                *reinterpret_cast<float2*>(dst + row + nc) = make_float2(fmaf(scale, sv[nf].x, acc[mi][nf][2 * hf]),
+                                                                         fmaf(scale, sv[nf].y, acc[mi][nf][2 * hf + 1]));
+            }
+        }
+    __threadfence();
+    __syncthreads();  // every thread's part of S_{c+1} is written and fenced
+    if (tid == 0 && c + 1 < nchunks) st_release_gpu(flags + c + 1, 1);
+}
+
+// The block's (b, pair, c) from its ticket, chunk-major; the chain's flags.
+__device__ __forceinline__ void chain_ticket(int* chain, int& ticket_smem, int batch, int nheads, int headdim,
+                                             int nchunks, int& b, int& c, int& pair, int*& flags) {
+    if (threadIdx.x == 0) ticket_smem = atomicAdd(chain, 1);
+    __syncthreads();
+    const int npairs = nheads * ((headdim + 63) / 64) / 2;
+    const int nchains = batch * npairs;
+    const int ticket = ticket_smem;
+    c = ticket / nchains;
+    const int ch = ticket % nchains;
+    b = ch / npairs;
+    pair = ch % npairs;
+    flags = chain + 1 + (i64)ch * nchunks;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained(const StateChainedParams p) {
+    SSD_DYNAMIC_SMEM(smem_raw);
+    StateChainedSmem<ChunkStateLocalPairSmem>& sm = *reinterpret_cast<StateChainedSmem<ChunkStateLocalPairSmem>*>(smem_raw);
+    int b, c, pair;
+    int* flags;
+    chain_ticket(p.chain, sm.ticket, p.batch, p.nheads, p.headdim, p.nchunks, b, c, pair, flags);
+    // A: the chunk's own state, both units, every dstate column (rows as store_state_tile).
+    float acc[2][8][4];
+    chunk_state_local_pair_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.seq_idx, p.seqlen, p.nheads, p.headdim,
+                                p.ngroups, p.dstate, p.chunk_size, p.nchunks, b, c, 0, pair, acc);
+    // B: the hand-off.
+    chain_hand_off<false>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, flags,
+                          p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
+}
+SSD_LAYOUT_FIXED(ssd_state_chained, StateChainedParams, sizeof(StateChainedSmem<ChunkStateLocalPairSmem>));
+
+// bf16 x and B: the bf16 pair body, whose accumulators hold their rows in the standard order.
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained_bf16(const StateChainedBf16Params p) {
+    SSD_DYNAMIC_SMEM(smem_raw);
+    StateChainedSmem<ChunkStateLocalPairBf16Smem>& sm =
+        *reinterpret_cast<StateChainedSmem<ChunkStateLocalPairBf16Smem>*>(smem_raw);
+    int b, c, pair;
+    int* flags;
+    chain_ticket(p.chain, sm.ticket, p.batch, p.nheads, p.headdim, p.nchunks, b, c, pair, flags);
+    float acc[2][8][4];
+    {
+        const ChunkStateLocalBf16Params sp = {p.x,      p.Bm,      p.dt_out,  p.dA_cumsum, p.seq_idx,
+                                              nullptr,  p.seqlen,  p.nheads,  p.headdim,   p.ngroups,
+                                              p.dstate, p.chunk_size, p.nchunks};
+        chunk_state_local_pair_bf16_body(sp, b, c, 0, pair, acc);
+    }
+    chain_hand_off<true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, flags,
+                         p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
+}
+SSD_LAYOUT_FIXED(ssd_state_chained_bf16, StateChainedBf16Params, sizeof(StateChainedSmem<ChunkStateLocalPairBf16Smem>));
