@@ -29,11 +29,14 @@ impl Gpu {
     /// (0 before chunk 0), else 0. `final_states = S_nchunks`. One block per
     /// `(b, h, 64 x 64 tile of [headdim, dstate])`, walking the chunks in order.
     ///
-    /// By default in two launches for parallelism: every chunk's own product in parallel
+    /// In version 2, two launches for parallelism: every chunk's own product in parallel
     /// (`ssd_chunk_state_local`), then one thread per state element walking the chunks
     /// (`ssd_state_passing`, `S_{c+1} = fma(scale_c, S_c, L_c)` as the CPU reference); the
     /// fused sequential kernel (`ssd_fwd_pass_state`) in [`crate::Variant::V1`], and where 2a's
     /// grid would overflow.
+    /// In [`crate::Variant::V3`] (the default), where [`Gpu::uses_chained`]: one launch of
+    /// `ssd_state_chained`, the same products and the same pass chained over the chunks, the
+    /// same bits.
     ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.

@@ -325,7 +325,8 @@ pub fn check_chained(label: &str, gpus: &[(Variant, Arc<Gpu>)], io: Io, salt: u6
 /// Runs each spec (seeded) that the chained kernel serves ([`Gpu::uses_chained`] on
 /// [`Variant::V3`]) under [`Variant::V3`] and [`Variant::V2`], activations in `io`, and asserts
 /// bitwise identical outputs: the chained kernel computes the stage-by-stage kernels' products
-/// in the same order. Says so when this device runs no chained kernel on these shapes.
+/// in the same order. Says so when this device runs no chained kernel on these shapes (more
+/// SMs than the shapes have chains); else fails if any shape misses it.
 pub fn assert_chained_matches_staged(
     label: &str,
     gpus: &[(Variant, Arc<Gpu>)],
@@ -359,6 +360,12 @@ pub fn assert_chained_matches_staged(
         println!("{label}: skipped: this device runs the chained stage 2 on none of these shapes");
         return;
     }
+    // A generator that drifted off the chained shapes would leave the test checking less.
+    assert_eq!(
+        served,
+        specs.len(),
+        "{label}: shapes off the chained stage 2"
+    );
     println!(
         "{label}: chained stage 2 in {served} of {} cases, bitwise equal to the stage-by-stage kernels",
         specs.len()
