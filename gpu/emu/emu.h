@@ -141,4 +141,7 @@ inline void st_release_gpu(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELE
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
-template <class T> inline T __ldcg(const T* p) { return *p; }
+// L2 eviction policies: hints only, nothing to emulate.
+inline unsigned long long l2_evict_first() { return 0; }
+inline void cp_async16_hint(float* dst, const float* src, bool valid, const float* f, unsigned long long) { cp_async16(dst, src, valid, f); }
+inline void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long) { cp_async16_all(dst, src); }

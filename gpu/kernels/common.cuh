@@ -218,7 +218,9 @@ __device__ __forceinline__ void async_block64(float* dst, int dst_stride, const 
 // short path (one base address per thread, constant steps). Offsets from src are 32-bit
 // unsigned (the callers' ROWS x src_stride stay below 2^32 floats): 64-bit address arithmetic
 // costs several integer instructions per 16-byte copy.
-template <int ROWS, int COLS, int NT>
+// FIRST: the copies read with L2 priority evict_first (data this block reads once and no
+// other block needs soon; it then leaves L2 before the lines that others will read).
+template <int ROWS, int COLS, int NT, bool FIRST = false>
 __device__ __forceinline__ void async_rows(float* dst, int dst_stride, const float* __restrict__ src,
                                            unsigned src_stride, int rows_valid, int cols_valid, int tid) {
     constexpr int CH = COLS / 4;     // 16-byte pieces per row
@@ -229,15 +231,27 @@ __device__ __forceinline__ void async_rows(float* dst, int dst_stride, const flo
     if (rows_valid >= ROWS && cols_valid >= COLS) {
         const float* s = src + ((unsigned)r0 * src_stride + (unsigned)c0);
         const unsigned d = smem_addr(dst + r0 * dst_stride + c0);
+        if (FIRST) {
+            const unsigned long long pol = l2_evict_first();
 #pragma unroll
-        for (int k = 0; k < ROWS / STEP; ++k)
-            cp_async16_all(d + (unsigned)(k * STEP * dst_stride) * 4u, s + (unsigned)k * step);
+            for (int k = 0; k < ROWS / STEP; ++k)
+                cp_async16_all_hint(d + (unsigned)(k * STEP * dst_stride) * 4u, s + (unsigned)k * step, pol);
+        } else {
+#pragma unroll
+            for (int k = 0; k < ROWS / STEP; ++k)
+                cp_async16_all(d + (unsigned)(k * STEP * dst_stride) * 4u, s + (unsigned)k * step);
+        }
     } else {
+        const unsigned long long pol = FIRST ? l2_evict_first() : 0;
 #pragma unroll
         for (int k = 0; k < ROWS / STEP; ++k) {
             const int r = r0 + k * STEP;
             const bool ok = r < rows_valid && c0 < cols_valid;
-            cp_async16(dst + r * dst_stride + c0, ok ? src + ((unsigned)r * src_stride + (unsigned)c0) : src, ok, src);
+            const float* a = ok ? src + ((unsigned)r * src_stride + (unsigned)c0) : src;
+            if (FIRST)
+                cp_async16_hint(dst + r * dst_stride + c0, a, ok, src, pol);
+            else
+                cp_async16(dst + r * dst_stride + c0, a, ok, src);
         }
     }
 }
@@ -303,12 +317,13 @@ __device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v 
 // async_rows for a ROWS x COLS block of bf16 (COLS a multiple of 8): the same 16-byte copies, 8
 // elements each. src_stride and dst_stride (elements) must be even, cols_valid a multiple of 8
 // (the host's condition for the bf16 kernels: headdim and dstate multiples of 8).
-template <int ROWS, int COLS, int NT>
+template <int ROWS, int COLS, int NT, bool FIRST = false>
 __device__ __forceinline__ void async_rows_bf16(bf16_t* dst, int dst_stride, const bf16_t* __restrict__ src,
                                                 unsigned src_stride, int rows_valid, int cols_valid, int tid) {
     static_assert(COLS % 8 == 0, "16-byte pieces");
-    async_rows<ROWS, COLS / 2, NT>(reinterpret_cast<float*>(dst), dst_stride / 2, reinterpret_cast<const float*>(src),
-                                   src_stride / 2, rows_valid, cols_valid / 2, tid);
+    async_rows<ROWS, COLS / 2, NT, FIRST>(reinterpret_cast<float*>(dst), dst_stride / 2,
+                                          reinterpret_cast<const float*>(src), src_stride / 2, rows_valid,
+                                          cols_valid / 2, tid);
 }
 
 // acc += A B^T for one warp's 32 x (8 NF) part as mma_slab_2xn, over bf16 tiles (strides in

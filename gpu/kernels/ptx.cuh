@@ -78,6 +78,21 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid
                  "l"(valid ? src : fallback), "r"(valid ? 4 : 0));
 }
 
+// L2 eviction priority (sm_80+): a policy for the .L2::cache_hint copies below. evict_first
+// marks data read once: it leaves L2 before the lines of normal priority.
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+__device__ __forceinline__ void cp_async16_hint(float* dst, const float* src, bool valid, const float* fallback,
+                                                unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)),
+                 "l"(valid ? src : fallback), "r"(valid ? 16 : 0), "l"(pol));
+}
+__device__ __forceinline__ void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most N of this thread's committed groups are still pending; the completed

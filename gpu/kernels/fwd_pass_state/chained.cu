@@ -15,21 +15,31 @@
 // (b, pair, c):
 //   A. computes L_c for both units into the tensor-core accumulators (2a's pair body, pair.cu,
 //      or its bf16 twin, bf16.cu);
-//   B. waits until chunk c - 1's block has published S_c (its flag set, acquire), writes
-//      S_{c+1} = fma(scale_c, S_c, L_c) (2b's formula, scale_c = exp(cs[last_c]) if
+//   B. waits until chunk c - 1's block has published S_c (its flag set, acquire), copies S_c
+//      into shared memory (all of it in flight at once), writes S_{c+1} = fma(scale_c, S_c, L_c) (2b's formula, scale_c = exp(cs[last_c]) if
 //      seq(last_c) = seq(last_{c-1}), else 0) to chunk_states[b, c + 1] (final_states after
 //      the last chunk; at c = 0 also S_0 to chunk_states[b, 0]), and releases chunk c + 1's
 //      flag (fence, release).
 // So the states cross HBM twice in the forward (written here, read by 3b) instead of four
 // times (2a's write, 2b's read and write, 3b's read). Only phase B lies on a chain's critical
-// path: one round trip through L2 per chunk (S_c was written there by the previous block).
+// path: one round trip through L2 per chunk.
+// L2 priorities: S_c is written by chunk c - 1's block about one wave of blocks before chunk
+// c's block reads it, and in between some 260 blocks stream their x (128 KB each in f32)
+// through L2. With normal priority much of S_c came back from HBM (ncu: 2.09 GB of DRAM reads
+// in f32 at (8, 8192, 80) where x and B take 1.4 GB). Phase A reads x, and phase B S_c, with
+// priority evict_first: read once, they leave L2 before the states written since.
 // Scratch: chain[0] the ticket counter, then one flag per (b, pair, chunk), chunk-minor; all
 // zero at launch (the host clears them on the stream before each launch).
 
-// Dynamic shared memory: 2a's pair layout (or its bf16 twin), then the ticket.
+// Dynamic shared memory: 2a's pair layout (or its bf16 twin), which phase B reuses for S_c,
+// then the ticket.
+#define CHAIN_S 136
 template <typename Smem>
 struct StateChainedSmem {
-    Smem state;
+    union {
+        Smem state;                   // phase A
+        float stage[2][64][CHAIN_S];  // phase B: S_c of both units
+    } u;
     int ticket;
     int pad[3];
 };
@@ -90,10 +100,31 @@ __device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], cons
     if (tid == 0 && c > 0) {
         while (ld_acquire_gpu(flags + c) == 0) __nanosleep(100);
     }
-    __syncthreads();  // S_c is published
-    // 16 of the thread's 64 elements at a time: their loads first, all in flight together
-    // (one L2 round trip per group on the chain's critical path, not one per element), then
-    // the fma and the stores. Pairs of neighbouring columns: dstate is a multiple of 4.
+    __syncthreads();  // S_c is published, and phase A is done with the shared memory
+    // S_c of the thread's unit into shared memory, all 16 of the thread's copies in flight at
+    // once (one L2 round trip on the chain's critical path), read with priority evict_first:
+    // nothing reads S_c from L2 after this block. Row pr of the unit at row 32 (pr / 32) + the
+    // fragment order's index of pr % 32 (16 mi + g + 8 hf), so that the reads below are free
+    // of bank conflicts at a row stride of 8 mod 32 words (CHAIN_S).
+    SSD_DYNAMIC_SMEM(stage_raw);
+    float* stage = stage_raw + (warp >> 2) * 64 * CHAIN_S;
+    if (src != nullptr) {
+        const unsigned long long pol = l2_evict_first();
+        const int t = tid & 127;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            const int piece = t + 128 * k;  // 64 rows of 32 pieces of 16 bytes
+            const int pr = piece >> 5, nc = (piece & 31) * 4;
+            const int lr = pr & 31;
+            const int sr = (pr & 32) + (rows16 ? lr : 16 * ((lr >> 1) & 1) + (lr >> 2) + 8 * (lr & 1));
+            const bool ok = pr < rows_p && nc < cols_n;
+            cp_async16_hint(stage + sr * CHAIN_S + nc, ok ? src + (i64)(p0 + pr) * dstate + nc : src, ok, src, pol);
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's copies have landed
+    // The fma and the stores, pairs of neighbouring columns (dstate is a multiple of 4).
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -101,20 +132,16 @@ __device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], cons
             const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
             if (pr >= rows_p) continue;
             const i64 row = (i64)(p0 + pr) * dstate;
-            float2 sv[8];
-#pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                const int nc = col0 + nf * 8 + 2 * q;
-                sv[nf] = src != nullptr && nc < cols_n ? __ldcg(reinterpret_cast<const float2*>(src + row + nc))
-                                                      : make_float2(0.0f, 0.0f);
-            }
+            const float* sv = stage + (wm * 32 + 16 * mi + g + 8 * hf) * CHAIN_S;
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
                 const int nc = col0 + nf * 8 + 2 * q;
                 if (nc >= cols_n) continue;
-                if (c == 0) *reinterpret_cast<float2*>(st_c + row + nc) = sv[nf];
-                *reinterpret_cast<float2*>(dst + row + nc) = make_float2(fmaf(scale, sv[nf].x, acc[mi][nf][2 * hf]),
-                                                                         fmaf(scale, sv[nf].y, acc[mi][nf][2 * hf + 1]));
+                const float2 s_c =
+                    src != nullptr ? *reinterpret_cast<const float2*>(sv + nc) : make_float2(0.0f, 0.0f);
+                if (c == 0) *reinterpret_cast<float2*>(st_c + row + nc) = s_c;
+                *reinterpret_cast<float2*>(dst + row + nc) =
+                    make_float2(fmaf(scale, s_c.x, acc[mi][nf][2 * hf]), fmaf(scale, s_c.y, acc[mi][nf][2 * hf + 1]));
             }
         }
     __threadfence();
