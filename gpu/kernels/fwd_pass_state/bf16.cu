@@ -85,6 +85,8 @@ __device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStat
         const int k0 = k * TK;
         const int rows_t = min(TK, last + 1 - k0);
         const unsigned xoff = (unsigned)k0 * tok_stride_x, boff = (unsigned)k0 * tok_stride_b;
+        // x is read once: L2 priority evict_first (chained.cu says why); B keeps the normal
+        // priority, the group's other pairs read the same tile.
         async_rows_bf16<TK, 64, NT, true>(&st.x[0][0], SPH_S, (const bf16_t*)ptab[0] + xoff, tok_stride_x, rows_t, rows_0, tid);
         async_rows_bf16<TK, 64, NT, true>(&st.x[0][64], SPH_S, (const bf16_t*)ptab[1] + xoff, tok_stride_x, rows_t, rows_1, tid);
         async_rows_bf16<TK, 128, NT>(&st.b[0][0], SPH_S, (const bf16_t*)ptab[2] + boff, tok_stride_b, rows_t, cols_n, tid);

@@ -61,6 +61,8 @@ __device__ __forceinline__ void chunk_state_local_pair_body(
         const int k0 = k * TK;
         const int rows_t = min(TK, last + 1 - k0);
         const unsigned xoff = (unsigned)k0 * (unsigned)tok_stride_x, boff = (unsigned)k0 * (unsigned)tok_stride_b;
+        // x is read once: L2 priority evict_first (chained.cu says why); B keeps the normal
+        // priority, the group's other pairs read the same tile.
         async_rows<TK, 64, NT, true>(xs, SP_S, ptab[0] + xoff, (unsigned)tok_stride_x, rows_t, rows_0, tid);
         async_rows<TK, 64, NT, true>(xs + 64, SP_S, ptab[1] + xoff, (unsigned)tok_stride_x, rows_t, rows_1, tid);
         async_rows<TK, 128, NT>(bs, SP_S, ptab[2] + boff, (unsigned)tok_stride_b, rows_t, cols_n, tid);
