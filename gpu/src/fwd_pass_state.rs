@@ -195,14 +195,15 @@ impl Gpu {
     /// Whether stage 2 runs as the chained kernel (`ssd_state_chained`, or
     /// `ssd_state_chained_bf16` for bf16 activations) for `dims` with `options`: the variant is
     /// [`crate::Variant::V3`], the pair 2a kernel serves the shape, `dstate <= 128` (a block
-    /// holds a unit's whole state rows), the chains (batch x pairs of units) are at least as
-    /// many as this device's SMs, and the grid fits `i32`. Packed problems with per-sequence
+    /// holds a unit's whole state rows), the chains (batch x pairs of units) are at least half
+    /// as many as this device's SMs, and the grid fits `i32`. Packed problems with per-sequence
     /// initial states run the separate kernels.
     ///
-    /// Why the chains must fill the device: each chunk waits for the state its chain's
-    /// previous chunk hands on (one L2 round trip per hop), so a chain of `nchunks` chunks
-    /// takes at least `nchunks` hops; with fewer chains than SMs the hops are not hidden behind
-    /// the other chains' work (`docs/gpu.md`, "The chained stage 2").
+    /// Why the chains must keep most of the device busy: each chunk waits for the state its
+    /// chain's previous chunk hands on (one L2 round trip per hop), so a chain of `nchunks`
+    /// chunks takes at least `nchunks` hops; with few chains the hops are not hidden behind
+    /// the other chains' work (`docs/gpu.md`, "The chained stage 2"). On the H200 it gained at
+    /// 96 chains (132 SMs) and lost 4x at 16.
     pub fn uses_chained(&self, dims: &Dims, options: &Options) -> bool {
         self.chain_len(dims, options).is_some()
     }
@@ -217,7 +218,7 @@ impl Gpu {
             return None;
         }
         let chains = dims.batch * (dims.nheads * dims.headdim.div_ceil(TILE_P) / 2);
-        if chains < self.sm_count {
+        if 2 * chains < self.sm_count {
             return None;
         }
         chains

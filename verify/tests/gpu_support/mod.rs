@@ -283,7 +283,7 @@ pub fn run_served_cases(
 
 /// A shape the chained stage 2 serves on a device of up to 132 SMs (the H200's count): a pair
 /// kernel shape (`random_pair_spec`, every option) with `dstate` 68 to 128, enough groups that
-/// the chains (batch x pairs of units) number 132 to 200, and 2 to 3 chunks (so that states
+/// the chains (batch x pairs of units) number 66 (half the SMs) to 200, and 2 to 3 chunks (so that states
 /// are handed on), `headdim` and `dstate` multiples of `multiple` (8 for the bf16 kernels).
 pub fn chained_spec(rng: &mut SpecRng, multiple: usize) -> ProblemSpec {
     let mut spec = random_pair_spec(rng, 4_000_000);
@@ -294,7 +294,7 @@ pub fn chained_spec(rng: &mut SpecRng, multiple: usize) -> ProblemSpec {
     // An even count of 64-column units per group (random_pair_spec's), so pairs = units / 2.
     let pairs_per_group = heads_per_group * d.headdim.div_ceil(64) / 2;
     d.ngroups = rng
-        .range(132, 200)
+        .range(66, 200)
         .div_ceil(d.batch * pairs_per_group)
         .max(1);
     d.nheads = d.ngroups * heads_per_group;
