@@ -343,20 +343,37 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         const int* seq_j = st.b.x.seq_j;
         if (j0 == i0 + r_w && p.Dv != nullptr) {
             // The step of the warp's own rows: y += D x from the stage (bf16 x, exact in f32).
+            // With D per head and a full unit: one D load and no column tests.
+            const float dh = p.d_per_channel ? 0.0f : p.Dv[h];
+            if (!p.d_per_channel && cols_p == 64) {
 #pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                const int col = nf * 8 + 2 * q;
-                if (col >= cols_p) continue;  // cols_p is a multiple of 8: col + 1 is in too
-                const float d0 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col] : p.Dv[h];
-                const float d1 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col + 1] : d0;
+                for (int nf = 0; nf < 8; ++nf)
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
+                    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const unsigned xv = *reinterpret_cast<const unsigned*>(&st.b.x.x[16 * mi + g + 8 * hf][wn * 64 + col]);
-                        acc[mi][nf][2 * hf] += d0 * bf16_lo(xv);
-                        acc[mi][nf][2 * hf + 1] += d1 * bf16_hi(xv);
-                    }
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const unsigned xv = *reinterpret_cast<const unsigned*>(
+                                &st.b.x.x[16 * mi + g + 8 * hf][wn * 64 + nf * 8 + 2 * q]);
+                            acc[mi][nf][2 * hf] += dh * bf16_lo(xv);
+                            acc[mi][nf][2 * hf + 1] += dh * bf16_hi(xv);
+                        }
+            } else {
+#pragma unroll
+                for (int nf = 0; nf < 8; ++nf) {
+                    const int col = nf * 8 + 2 * q;
+                    if (col >= cols_p) continue;  // cols_p is a multiple of 8: col + 1 is in too
+                    const float d0 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col] : dh;
+                    const float d1 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col + 1] : dh;
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const unsigned xv =
+                                *reinterpret_cast<const unsigned*>(&st.b.x.x[16 * mi + g + 8 * hf][wn * 64 + col]);
+                            acc[mi][nf][2 * hf] += d0 * bf16_lo(xv);
+                            acc[mi][nf][2 * hf + 1] += d1 * bf16_hi(xv);
+                        }
+                }
             }
         }
         const bool colf = split && j0 < i0;  // left of the block: the split decay, no mask
@@ -386,9 +403,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                     if (colf) {
                         f0 = ex2_approx(R - cj[e0]) * dj[e0];
                         f1 = ex2_approx(R - cj[e0 + 1]) * dj[e0 + 1];
+                    } else if (!has_seq) {
+                        // As below with every seq equal: the mask alone (the same bits).
+                        const int lm = lim + 16 * mi + 8 * hf;
+                        const float arg0 = kc[e0] <= lm ? csl[mi][hf] - cj[e0] : NEG_INF_F;
+                        const float arg1 = kc[e0 + 1] <= lm ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
+                        f0 = ex2_approx(arg0) * dj[e0];
+                        f1 = ex2_approx(arg1) * dj[e0 + 1];
                     } else {
                         const int lm = lim + 16 * mi + 8 * hf;
-                        const int s0 = has_seq ? seq_j[kc[e0]] : 0, s1 = has_seq ? seq_j[kc[e0 + 1]] : 0;
+                        const int s0 = seq_j[kc[e0]], s1 = seq_j[kc[e0 + 1]];
                         const float arg0 = (kc[e0] <= lm && s0 == sq[mi][hf]) ? csl[mi][hf] - cj[e0] : NEG_INF_F;
                         const float arg1 = (kc[e0 + 1] <= lm && s1 == sq[mi][hf]) ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
                         f0 = ex2_approx(arg0) * dj[e0];
