@@ -45,6 +45,13 @@ step() { # name, key-line pattern, command...
   [ $rc -ne 0 ] && verdict="FAIL($rc)"
   rows+=("$(printf '%-28s %-9s %5ss  %s' "$name" "$verdict" $((SECONDS - t0)) "$key")")
   echo "== $name: $verdict ($((SECONDS - t0)) s)"
+  # The step's results as it ends (the default variant's lines), so that a run cut short by a
+  # time limit still shows what finished; the summary below repeats them all.
+  summary_lines "$logs/all/$name.log" | grep -v ' \[V' || true
+}
+
+summary_lines() { # the result lines of the given logs
+  grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures|bf16 [a-z ]+|chained [a-z0-9]+):? .*' "$@" 2>/dev/null
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -128,7 +135,7 @@ fi
 echo
 echo "==================== summary ===================="
 for r in "${rows[@]}"; do echo "$r"; done
-grep -h -o -E '^(fuzz|sanitizer shapes|fixtures|reproducible|packed [a-z ]+|serving fixtures|bf16 [a-z ]+|chained [a-z0-9]+):? .*' "$logs"/all/test-*.log 2>/dev/null
+summary_lines "$logs"/all/test-*.log
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs"/all/sanitizer-*.log 2>/dev/null
 if [ -f "$logs/all/triton-table.log" ]; then
   grep -E '^\||ceilings|^Triton|^Serving' "$logs/all/triton-table.log"
