@@ -283,8 +283,9 @@ pub fn run_served_cases(
 
 /// A shape the chained stage 2 serves on a device of up to 132 SMs (the H200's count): a pair
 /// kernel shape (`random_pair_spec`, every option) with `dstate` 68 to 128, enough groups that
-/// the chains (batch x pairs of units) number 66 (half the SMs) to 200, and 2 to 3 chunks (so that states
-/// are handed on), `headdim` and `dstate` multiples of `multiple` (8 for the bf16 kernels).
+/// the chains (batch x pairs of units) number 66 (half the SMs) to 200, and 2 to 3 chunks (so
+/// that states are handed on), `headdim` and `dstate` multiples of `multiple` (8 for the bf16
+/// kernels).
 pub fn chained_spec(rng: &mut SpecRng, multiple: usize) -> ProblemSpec {
     let mut spec = random_pair_spec(rng, 4_000_000);
     let d = &mut spec.dims;
