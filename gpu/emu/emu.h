@@ -29,9 +29,11 @@ using std::min; using std::max;
 struct dim3e { unsigned x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct uint2 { unsigned x, y; };
 struct int4 { int x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }

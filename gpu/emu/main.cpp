@@ -310,22 +310,31 @@ int main(int argc, char** argv) {
         launch({(unsigned)(nc * itiles), (unsigned)(H * ptiles), (unsigned)B}, 128, smem_old, [&] {
             ssd_compute_out({xr.data(), br.data(), cr.data(), Dv.data(), zrp, dto.data(), dac.data(), cstR.data(), seqp, outR.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0}); });
         std::vector<float> cstH(nst, NAN), finH(nfs, NAN), cbufH(cbuf.size(), NAN), outH(nx, NAN);
-        std::vector<unsigned short> outh(nx, 0xffff);
+        std::vector<unsigned short> outh(nx, 0xffff), loH(nst, 0xffff);
         launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, ssd_chunk_state_local_pair_bf16_layout.smem[0], [&] {
             ssd_chunk_state_local_pair_bf16({xh.data(), bh.data(), dto.data(), dac.data(), seqp, cstH.data(), L, H, P, G, N, Q, nc}); });
         launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
-            ssd_state_passing({dac.data(), initp, seqp, cstH.data(), finH.data(), L, H, P, N, Q, nc, vec4}); });
+            ssd_state_passing({dac.data(), initp, seqp, cstH.data(), finH.data(), L, H, P, N, Q, nc, vec4, nullptr, nullptr, loH.data()}); });
+        size_t lo_bad = 0;  // the pass's bf16 copy: chunk_states rounded to nearest even
+        for (size_t i = 0; i < nst; ++i) lo_bad += loH[i] != (unsigned short)emu_bf16_rne(cstH[i]);
+        printf("bf16 states_lo mismatches (2b): %zu\n", lo_bad);
+        nans += lo_bad;
         launch({(unsigned)(nc * npairs), (unsigned)G, (unsigned)B}, 128, ssd_chunk_cb_bf16_layout.smem[0], [&] {
             ssd_chunk_cb_bf16({bh.data(), ch.data(), cbufH.data(), L, G, N, Q, nc, tmax, 1}); });
         launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, ssd_compute_out_pair_bf16_layout.smem[0], [&] {
-            ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), cstH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
+            ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), loH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
         launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outh.data(), outH.data(), (long long)nx}); });
         if (N <= 128) {  // the chained stage 2 in bf16: the same bits as the two launches above
             std::vector<float> cstHC(nst, NAN), finHC(nfs, NAN);
             std::vector<int> chain(1 + (size_t)B * (H * ptiles / 2) * nc, 0);
+            std::vector<unsigned short> loHC(nst, 0xffff);
             launch({(unsigned)(B * (H * ptiles / 2) * nc), 1, 1}, 256, ssd_state_chained_bf16_layout.smem[0], [&] {
-                ssd_state_chained_bf16({xh.data(), bh.data(), dto.data(), dac.data(), initp, seqp, cstHC.data(), finHC.data(), chain.data(), L, H, P, G, N, Q, nc, B}); });
+                ssd_state_chained_bf16({xh.data(), bh.data(), dto.data(), dac.data(), initp, seqp, cstHC.data(), finHC.data(), chain.data(), L, H, P, G, N, Q, nc, B, loHC.data()}); });
             nans += cmp("chained bf16 chunk_states vs pairs", cstHC, cstH, 0.0);
+            size_t lo_diff = 0;
+            for (size_t i = 0; i < nst; ++i) lo_diff += loHC[i] != loH[i];
+            printf("chained bf16 states_lo vs 2b: %zu differ\n", lo_diff);
+            nans += lo_diff;
             nans += cmp("chained bf16 final_states vs pairs", finHC, finH, 0.0);
         }
         nans += cmp("bf16 chunk_states vs v1", cstH, cstR, 3e-2);

@@ -26,6 +26,10 @@ impl Gpu {
     /// splits into a row and a column factor, both at most 1). The single kernel
     /// (`ssd_compute_out`) serves every other chunk size.
     ///
+    /// With bf16 activations the output kernel reads `S` as the bf16 copy that
+    /// [`Gpu::fwd_pass_state`] wrote beside `chunk_states` (the operand its product rounds the
+    /// state to), not `chunk_states` itself: run the stages in order on the same outputs.
+    ///
     /// # Errors
     /// [`GpuError::Unsupported`] when buffers and sizes disagree; driver errors.
     pub fn compute_out<T: IoElement>(
@@ -38,6 +42,7 @@ impl Gpu {
             // The bf16 kernels: 3a and the pair output kernel (`check_bf16` guarantees both
             // serve, and that the scores scratch is allocated).
             self.check_bf16(&inputs.dims, &inputs.options)?;
+            outputs.check_states_lo()?;
         }
         let d = inputs.dims;
         let o = inputs.options;
@@ -107,7 +112,11 @@ impl Gpu {
                 z: args.opt(inputs.z.as_ref()),
                 dt_out: args.read(&outputs.dt),
                 da_cumsum: args.read(&outputs.dA_cumsum),
-                chunk_states: args.read(&outputs.chunk_states),
+                // The bf16 kernel reads the states' bf16 copy that stage 2 wrote.
+                chunk_states: match outputs.states_lo.as_ref() {
+                    Some(lo) if T::BF16 => args.read(lo),
+                    _ => args.read(&outputs.chunk_states),
+                },
                 seq_idx: args.opt(inputs.seq_idx.as_ref()),
                 cbuf: args.read(scores),
                 out: args.write(&mut outputs.out),
@@ -122,7 +131,8 @@ impl Gpu {
             // SAFETY: `ComputeOutCbParams` is the struct of `ssd_compute_out_cb`,
             // `ssd_compute_out_cb128` (kernels/compute_out/tiled.cu), `ssd_compute_out_pair`
             // (pair.cu) and `ssd_compute_out_pair_bf16` (bf16.cu: bf16 x, C, z and out, which `T`
-            // is then; its conditions checked by `check_bf16`), whose rows per block (64, 128,
+            // is then, and the states' bf16 copy in place of `chunk_states`, checked by
+            // `check_states_lo`; its conditions checked by `check_bf16`), whose rows per block (64, 128,
             // 128 for pairs) the grid above uses; the
             // pair kernel's grid covers nheads * ptiles / 2 pairs (an even count per group,
             // checked by `compute_out_pairs`, 16-byte copies only where `vec` holds); every

@@ -18,7 +18,8 @@ const CHAINED_MAX_DSTATE: usize = 128;
 
 impl Gpu {
     /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
-    /// `outputs.final_states`.
+    /// `outputs.final_states` (with bf16 activations also `chunk_states` rounded to bf16, for
+    /// [`Gpu::compute_out`]).
     ///
     /// With `S_0 = initial_states` (zeros when absent), for each chunk `c` with last real
     /// token `last`, `cs = dA_cumsum[b, h, c, :]`:
@@ -60,6 +61,7 @@ impl Gpu {
         self.check_buffers(inputs, outputs)?;
         if T::BF16 {
             self.check_bf16(&inputs.dims, &inputs.options)?;
+            outputs.check_states_lo()?;
         }
         let d = inputs.dims;
         let o = inputs.options;
@@ -155,12 +157,14 @@ impl Gpu {
                 vec4: i32::from(vec4),
                 seq_init: seq.map_or(0, |(s, _)| args.read(s)),
                 chunk_init: seq.map_or(0, |(_, c)| args.read(c)),
+                states_lo: outputs.states_lo.as_mut().map_or(0, |s| args.write(s)),
             };
             // SAFETY: `StatePassingParams` is the struct of `ssd_state_passing`
             // (kernels/fwd_pass_state/passing.cu); buffers checked against the sizes; grid x <=
             // ceil(headdim * dstate / 256), small (every CudaSlice allocation is 256-byte
             // aligned, so the 16-byte loads are too) since `shape::check` bounds headdim by
-            // 65535 * 64 and dstate by 256.
+            // 65535 * 64 and dstate by 256; `states_lo`, where given (bf16), has the length of
+            // `chunk_states` (`check_states_lo`).
             unsafe { self.launch(Kernel::StatePassing, grid, d.dstate, &params) }?;
             return Ok(());
         }
@@ -255,6 +259,7 @@ impl Gpu {
             chain: args.write(chain),
             sizes: StateSizes::new(&d, &o),
             batch: int(d.batch),
+            states_lo: outputs.states_lo.as_mut().map_or(0, |s| args.write(s)),
         };
         let kernel = if T::BF16 {
             Kernel::StateChainedBf16
@@ -267,7 +272,8 @@ impl Gpu {
         // what the pair 2a kernel asks (an even count of units per group, 16-byte copies; for
         // bf16 `check_bf16` above), dstate <= 128, and the grid (one block per ticket, `len - 1`
         // < i32::MAX); the scratch has `len` flags and was cleared above on this stream; the
-        // dynamic shared memory fits this device (`chained`).
+        // dynamic shared memory fits this device (`chained`); `states_lo`, where given (bf16),
+        // has the length of `chunk_states` (`check_states_lo`).
         unsafe { self.launch(kernel, ((len - 1) as u32, 1, 1), d.dstate, &params) }?;
         Ok(())
     }

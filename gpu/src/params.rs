@@ -110,6 +110,8 @@ pub(crate) struct StatePassingParams {
     pub seq_init: u64,
     /// `[nchunks, 2]` `(k or -1, first token of k in the chunk)`, or 0.
     pub chunk_init: u64,
+    /// With bf16 activations: `chunk_states` rounded to bf16, written beside it; else 0.
+    pub states_lo: u64,
 }
 
 /// `ssd_chunk_cb` (`compute_out/scores.cu`).
@@ -223,6 +225,8 @@ pub(crate) struct StateChainedParams {
     pub chain: u64,
     pub sizes: StateSizes,
     pub batch: i32,
+    /// With bf16 activations: `chunk_states` rounded to bf16, written beside it; else 0.
+    pub states_lo: u64,
 }
 
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
@@ -255,12 +259,12 @@ const _: () = {
     assert!(size_of::<ChunkCumsumParams>() == 80);
     assert!(size_of::<FwdPassStateParams>() == 112);
     assert!(size_of::<ChunkStateLocalParams>() == 80);
-    assert!(size_of::<StatePassingParams>() == 88);
+    assert!(size_of::<StatePassingParams>() == 96);
     assert!(size_of::<ChunkCbParams>() == 56);
     assert!(size_of::<ComputeOutParams>() == 120);
     assert!(size_of::<ComputeOutCbParams>() == 128);
     assert!(size_of::<SeqInitOutParams>() == 80);
     assert!(size_of::<StatesAtParams>() == 96);
     assert!(size_of::<ConvertParams>() == 24);
-    assert!(size_of::<StateChainedParams>() == 104);
+    assert!(size_of::<StateChainedParams>() == 112);
 };

@@ -11,7 +11,7 @@ use cudarc::driver::{
 use ssd_reference::{Dims, Options};
 
 use crate::error::unsupported;
-use crate::io::IoElement;
+use crate::io::{Bf16, IoElement};
 use crate::kernels::{self, Kernel, KernelLayout};
 use crate::shape::{self, Lengths};
 use crate::GpuError;
@@ -440,6 +440,13 @@ impl Gpu {
                 Some(n) => Some(unsafe { self.stream.alloc::<i32>(n) }?),
                 None => None,
             },
+            // SAFETY: written by stage 2 (every chunk's state, as `chunk_states`) before the
+            // output kernel reads it.
+            states_lo: if T::BF16 && self.runs_bf16(dims, options) {
+                Some(unsafe { self.stream.alloc::<Bf16>(l.chunk_states) }?)
+            } else {
+                None
+            },
         })
     }
 
@@ -594,9 +601,30 @@ pub struct DeviceOutputs<T: IoElement = f32> {
     /// Scratch of the chained kernel: its ticket counter and one flag per (batch, pair of
     /// units, chunk); `None` where it does not serve ([`Gpu::uses_chained`]).
     pub(crate) chain: Option<CudaSlice<i32>>,
+    /// Scratch of the bf16 kernels: `chunk_states` rounded to bf16 (to nearest even), written
+    /// by stage 2 beside it and read by the output kernel, whose product takes the state as a
+    /// bf16 operand; `None` for f32 outputs and where the bf16 kernels do not serve
+    /// ([`Gpu::runs_bf16`]).
+    pub(crate) states_lo: Option<CudaSlice<Bf16>>,
 }
 
 impl<T: IoElement> DeviceOutputs<T> {
+    /// Checks that bf16 outputs hold the bf16 copy of the states that the bf16 kernels write
+    /// and read (`states_lo`), for these sizes.
+    pub(crate) fn check_states_lo(&self) -> Result<(), GpuError> {
+        if T::BF16
+            && self
+                .states_lo
+                .as_ref()
+                .is_none_or(|s| s.len() != self.chunk_states.len())
+        {
+            return Err(unsupported(
+                "the outputs were allocated by a Gpu that does not run the bf16 kernels for these sizes: they hold no bf16 copy of the states (allocate them with this Gpu)",
+            ));
+        }
+        Ok(())
+    }
+
     /// The sizes these outputs were allocated for.
     pub fn dims(&self) -> &Dims {
         &self.dims

@@ -1,9 +1,11 @@
 // Stage 3 with bf16 inputs and output (the host's choice for bf16 I/O where the pair kernels
-// apply, see docs/gpu.md): x, C, B, z and out in bf16; dt', dA_cumsum, D, the chunk states
-// and the scores in f32. Every product takes bf16 operands on the tensor cores
-// (mma.m16n8k16), f32 accumulation, the operands rounded where mamba_ssm's kernels round them
-// with bf16 inputs: the decayed scores M (cb.to(x.dtype)) and the carried state S
-// (prev_states.to(C.dtype)) to bf16, to nearest even; x, B and C are bf16 already.
+// apply, see docs/gpu.md): x, C, B, z and out in bf16; dt', dA_cumsum, D and the scores in
+// f32. Every product takes bf16 operands on the tensor cores (mma.m16n8k16), f32
+// accumulation, the operands rounded where mamba_ssm's kernels round them with bf16 inputs:
+// the decayed scores M (cb.to(x.dtype)) and the carried state S (prev_states.to(C.dtype)) to
+// bf16, to nearest even; x, B and C are bf16 already. S comes rounded: stage 2 writes each
+// chunk's state in f32 (chunk_states) and in bf16 (states_lo, the same rounding), and 3b
+// reads the bf16 copy.
 //
 // 3a, ssd_chunk_cb_bf16: as ssd_chunk_cb (scores.cu), the same grid and f32 output, C and B
 // slabs of 64 bf16 through the cp.async double buffer, fragments through ldmatrix.
@@ -89,9 +91,9 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 // threads (8 warps, two blocks per SM) per (batch, chunk, 128 rows, pair of units of one
 // group); warp w owns rows 32 (w / 2) and unit w % 2, a 32 x 64 output tile. Its steps flow
 // through a 3-stage cp.async ring, one barrier per step:
-//   steps over dstate, 16 wide (only when the carried state is not 0): C[i, n0:n0+16] (bf16,
-//     128 rows) and S_u[p, n0:n0+16] (f32) of both units; acc += C bf16(S_u)^T (the state's
-//     fragments rounded to bf16 from f32 pairs);
+//   steps over dstate, 32 wide (only when the carried state is not 0): C[i, n0:n0+32] (bf16,
+//     128 rows) and bf16(S_u)[p, n0:n0+32] (states_lo) of both units; acc += C bf16(S_u)^T,
+//     both operands' fragments through ldmatrix;
 //   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
 //   steps over 32 of the chunk's columns up to the block's last row: the f32 scores of the
 //     block's rows, x_u[j, p] (bf16) of both units, cs_j, dt'_j of both heads, seq_j. Each warp
@@ -99,12 +101,13 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 //     row and column factors left of the block without seq_idx) and rounds them to bf16; x's
 //     fragments come through ldmatrix.trans. The D term is added at the warp's own rows' step.
 // Epilogue: z gate (z bf16), out written as bf16 pairs, rounded to nearest even.
-// Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 tiles have a row stride of 8
-// mod 32 floats (40, 24), so the 8-byte fragment loads of a half warp hit 32 distinct banks;
-// the bf16 tiles 16-byte rows (ldmatrix).
+// Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
+// mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the
+// bf16 tiles rows of 16-byte pieces whose eight rows of an ldmatrix hit distinct banks (80 and
+// 272 bytes).
 #define COH_A 40   // scores row stride (floats)
-#define COH_N 16   // dstate columns per slab step
-#define COH_C 24   // C slab row stride (bf16) and S slab row stride (floats)
+#define COH_N 32   // dstate columns per slab step
+#define COH_C 40   // C and S slab row stride (bf16)
 #define COH_X 136  // x row stride (bf16): unit u at column 64 u
 struct ComputeOutPairBf16Smem {
     struct Stage {
@@ -113,7 +116,7 @@ struct ComputeOutPairBf16Smem {
             bf16_t c[128][COH_C];
         } a;
         union {
-            float s[2][64][COH_C];  // the S slabs of both units
+            bf16_t s[2][64][COH_C];  // the bf16 S slabs of both units
             struct {
                 bf16_t x[32][COH_X];
                 float cs_j[2][32], dt_j[2][32];
@@ -136,7 +139,7 @@ struct ComputeOutPairBf16Params {
     const bf16_t* z;            // [batch, seqlen, nheads, headdim] or null
     const float* dt_out;        // [batch, nheads, nchunks, chunk_size]
     const float* dA_cumsum;     // [batch, nheads, nchunks, chunk_size]
-    const float* chunk_states;  // [batch, nchunks, nheads, headdim, dstate]
+    const bf16_t* states_lo;    // [batch, nchunks, nheads, headdim, dstate]: bf16(chunk_states)
     const int* seq_idx;         // [batch, seqlen] or null
     const float* cbuf;          // [batch, nchunks, ngroups, npairs, 64, 64]
     bf16_t* out;                // [batch, seqlen, nheads, headdim]
@@ -182,8 +185,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         const bf16_t* xb = p.x + ((i64)b * p.seqlen + t0) * tok_stride_x;
         ptab[0] = xb + (i64)h_0 * p.headdim + p_0;
         ptab[1] = xb + (i64)h_1 * p.headdim + p_1;
-        ptab[2] = p.chunk_states + ((((i64)b * p.nchunks + c) * p.nheads + h_0) * p.headdim + p_0) * p.dstate;
-        ptab[3] = p.chunk_states + ((((i64)b * p.nchunks + c) * p.nheads + h_1) * p.headdim + p_1) * p.dstate;
+        ptab[2] = p.states_lo + ((((i64)b * p.nchunks + c) * p.nheads + h_0) * p.headdim + p_0) * p.dstate;
+        ptab[3] = p.states_lo + ((((i64)b * p.nchunks + c) * p.nheads + h_1) * p.headdim + p_1) * p.dstate;
         ptab[4] = p.Cm + ((i64)b * p.seqlen + t0 + i0) * tok_stride_b + (i64)grp * p.dstate;
         ptab[5] = p.cbuf + (((i64)b * p.nchunks + c) * p.ngroups + grp) * npairs * 4096;
         ptab[6] = p.dA_cumsum + cb_0;
@@ -211,10 +214,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             const int n0 = s * COH_N;
             async_rows_bf16<TM, COH_N, NT>(&st.a.c[0][0], COH_C, (const bf16_t*)ptab[4] + n0, tok_stride_b, rows_i,
                                            p.dstate - n0, tid);
-            async_rows<64, COH_N, NT>(&st.b.s[0][0][0], COH_C, (const float*)ptab[2] + n0, p.dstate, cols_0,
-                                      p.dstate - n0, tid);
-            async_rows<64, COH_N, NT>(&st.b.s[1][0][0], COH_C, (const float*)ptab[3] + n0, p.dstate, cols_1,
-                                      p.dstate - n0, tid);
+            async_rows_bf16<64, COH_N, NT>(&st.b.s[0][0][0], COH_C, (const bf16_t*)ptab[2] + n0, p.dstate, cols_0,
+                                           p.dstate - n0, tid);
+            async_rows_bf16<64, COH_N, NT>(&st.b.s[1][0][0], COH_C, (const bf16_t*)ptab[3] + n0, p.dstate, cols_1,
+                                           p.dstate - n0, tid);
         } else {
             const int j0 = (s - nslab) * 32;
             const int jt = j0 >> 6;
@@ -247,7 +250,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
 
     const int r_w = wm * 32;  // the warp's first row in the block
     const bool rows_mma = r_w < rows_i;
-    const int c_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * COH_C + (lane >> 4) * 8;  // C's ldmatrix rows
     // The rows of this thread's fragments, r_w + 16 mi + g + 8 hf: log2(e) cs_i (-inf past the
     // chunk's end) and seq.
     float csl[2][2];
@@ -276,23 +278,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
         const ComputeOutPairBf16Smem::Stage& st = sm.stage[s % 3];
         if (s < nslab) {
-            // acc += C S_u^T over 16 dstate columns: C through ldmatrix, S from f32 pairs.
-            unsigned a[2][4], bf[8][2];
-            const unsigned c_s = smem_addr(&st.a.c[0][0]);
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], c_s + (unsigned)((r_w + mi * 16) * COH_C + c_off) * 2u);
-            const float* sp = &st.b.s[wn][g][2 * q];
-#pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                const float2 v0 = *reinterpret_cast<const float2*>(sp + nf * 8 * COH_C);
-                const float2 v1 = *reinterpret_cast<const float2*>(sp + nf * 8 * COH_C + 8);
-                bf[nf][0] = pack_bf16x2(v0.x, v0.y);
-                bf[nf][1] = pack_bf16x2(v1.x, v1.y);
-            }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
+            // acc += C bf16(S_u)^T over 32 dstate columns (zeros past dstate in both).
+            mma_slab_2xn_bf16(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, r_w, wn * 64,
+                              COH_N, lane);
             continue;
         }
         const int j0 = (s - nslab) * 32;

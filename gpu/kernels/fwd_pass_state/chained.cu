@@ -20,6 +20,9 @@
 //      seq(last_c) = seq(last_{c-1}), else 0) to chunk_states[b, c + 1] (final_states after
 //      the last chunk; at c = 0 also S_0 to chunk_states[b, 0]), and releases chunk c + 1's
 //      flag (fence, release).
+// With bf16 activations the block also writes S_{c+1} rounded to bf16 (to nearest even) to
+// states_lo[b, c + 1] (and S_0 to states_lo[b, 0]), after the release, off the chain's
+// critical path: the operand of the bf16 output kernel's product (compute_out/bf16.cu).
 // So the states cross HBM twice in the forward (written here, read by 3b) instead of four
 // times (2a's write, 2b's read and write, 3b's read). Only phase B lies on a chain's critical
 // path: one round trip through L2 per chunk.
@@ -61,22 +64,24 @@ struct StateChainedParamsT {
     int* chain;                   // [1 + batch * pairs * nchunks], zero at launch
     int seqlen, nheads, headdim, ngroups, dstate, chunk_size, nchunks;
     int batch;
+    bf16_t* states_lo;            // [batch, nchunks, nheads, headdim, dstate] or null
 };
 typedef StateChainedParamsT<float> StateChainedParams;
 typedef StateChainedParamsT<bf16_t> StateChainedBf16Params;
-static_assert(sizeof(StateChainedParams) == 104, "StateChainedParams: the Rust struct has 104 bytes");
-static_assert(sizeof(StateChainedBf16Params) == 104, "one Rust struct for both");
+static_assert(sizeof(StateChainedParams) == 112, "StateChainedParams: the Rust struct has 112 bytes");
+static_assert(sizeof(StateChainedBf16Params) == 112, "one Rust struct for both");
 
 // The block's part of the hand-off (phase B) for (b, pair, c), its chunk's own state in acc
 // (warp w: unit w / 4, rows 32 ((w / 2) % 2), columns 64 (w % 2); within the 32 rows, fragment
 // row (mi, hf) at 4 g + 2 mi + hf, as store_state_tile, or at 16 mi + g + 8 hf with rows16).
-// Waits for S_c, writes S_{c+1} = fma(scale_c, S_c, L_c) (and S_0 at c = 0), releases c + 1.
+// Waits for S_c, writes S_{c+1} = fma(scale_c, S_c, L_c) (and S_0 at c = 0), releases c + 1;
+// then, where states_lo is given, their bf16 copies (acc holds S_{c+1} on return).
 template <bool rows16>
-__device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], const float* __restrict__ dA_cumsum,
+__device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const float* __restrict__ dA_cumsum,
                                                const int* __restrict__ seq_idx, const float* initial_states,
-                                               float* chunk_states, float* final_states, int* flags, int seqlen,
-                                               int nheads, int headdim, int dstate, int chunk_size, int nchunks, int b,
-                                               int c, int pair) {
+                                               float* chunk_states, float* final_states, bf16_t* states_lo,
+                                               int* flags, int seqlen, int nheads, int headdim, int dstate,
+                                               int chunk_size, int nchunks, int b, int c, int pair) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int ptiles = (headdim + 63) / 64;
     const int unit = 2 * pair + (warp >> 2);
@@ -97,6 +102,7 @@ __device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], cons
     float* st_c = chunk_states + (((i64)b * nchunks + c) * nheads + h) * n;
     const float* src = c > 0 ? st_c : (initial_states != nullptr ? initial_states + bh * n : nullptr);
     float* dst = c + 1 < nchunks ? st_c + (i64)nheads * n : final_states + bh * n;
+    bf16_t* lo_c = states_lo != nullptr ? states_lo + (((i64)b * nchunks + c) * nheads + h) * n : nullptr;
     if (tid == 0 && c > 0) {
         while (ld_acquire_gpu(flags + c) == 0) __nanosleep(100);
     }
@@ -124,29 +130,46 @@ __device__ __forceinline__ void chain_hand_off(const float (&acc)[2][8][4], cons
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // every thread's copies have landed
-    // The fma and the stores, pairs of neighbouring columns (dstate is a multiple of 4).
+    // f(mi, hf, nf, sr, row, nc) for each of the thread's pairs of neighbouring columns (dstate
+    // is a multiple of 4) inside the unit's state: accumulator acc[mi][nf][2 hf (+1)], row sr
+    // of the stage, element offset row + nc in a state.
+    auto each_pair = [&](auto&& f) {
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+        for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
-            if (pr >= rows_p) continue;
-            const i64 row = (i64)(p0 + pr) * dstate;
-            const float* sv = stage + (wm * 32 + 16 * mi + g + 8 * hf) * CHAIN_S;
+            for (int hf = 0; hf < 2; ++hf) {
+                const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
+                if (pr >= rows_p) continue;
+                const i64 row = (i64)(p0 + pr) * dstate;
+                const int sr = wm * 32 + 16 * mi + g + 8 * hf;
 #pragma unroll
-            for (int nf = 0; nf < 8; ++nf) {
-                const int nc = col0 + nf * 8 + 2 * q;
-                if (nc >= cols_n) continue;
-                const float2 s_c =
-                    src != nullptr ? *reinterpret_cast<const float2*>(sv + nc) : make_float2(0.0f, 0.0f);
-                if (c == 0) *reinterpret_cast<float2*>(st_c + row + nc) = s_c;
-                *reinterpret_cast<float2*>(dst + row + nc) =
-                    make_float2(fmaf(scale, s_c.x, acc[mi][nf][2 * hf]), fmaf(scale, s_c.y, acc[mi][nf][2 * hf + 1]));
+                for (int nf = 0; nf < 8; ++nf) {
+                    const int nc = col0 + nf * 8 + 2 * q;
+                    if (nc < cols_n) f(mi, hf, nf, sr, row, nc);
+                }
             }
+    };
+    // The fma and the stores.
+    each_pair([&](int mi, int hf, int nf, int sr, i64 row, int nc) {
+        const float2 s_c =
+            src != nullptr ? *reinterpret_cast<const float2*>(stage + sr * CHAIN_S + nc) : make_float2(0.0f, 0.0f);
+        if (c == 0) {
+            *reinterpret_cast<float2*>(st_c + row + nc) = s_c;
+            if (lo_c != nullptr) *reinterpret_cast<unsigned*>(lo_c + row + nc) = pack_bf16x2(s_c.x, s_c.y);
         }
+        acc[mi][nf][2 * hf] = fmaf(scale, s_c.x, acc[mi][nf][2 * hf]);
+        acc[mi][nf][2 * hf + 1] = fmaf(scale, s_c.y, acc[mi][nf][2 * hf + 1]);
+        *reinterpret_cast<float2*>(dst + row + nc) = make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+    });
     __threadfence();
     __syncthreads();  // every thread's part of S_{c+1} is written and fenced
     if (tid == 0 && c + 1 < nchunks) st_release_gpu(flags + c + 1, 1);
+    if (lo_c == nullptr || c + 1 >= nchunks) return;
+    // bf16(S_{c+1}) for the output kernel, which runs after this kernel: no fence needed.
+    bf16_t* lo_next = lo_c + (i64)nheads * n;
+    each_pair([&](int mi, int hf, int nf, int, i64 row, int nc) {
+        *reinterpret_cast<unsigned*>(lo_next + row + nc) = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+    });
 }
 
 // The block's (b, pair, c) from its ticket, chunk-major; the chain's flags.
@@ -175,8 +198,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained(const Sta
     chunk_state_local_pair_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.seq_idx, p.seqlen, p.nheads, p.headdim,
                                 p.ngroups, p.dstate, p.chunk_size, p.nchunks, b, c, 0, pair, acc);
     // B: the hand-off.
-    chain_hand_off<false>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, flags,
-                          p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
+    chain_hand_off<false>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, nullptr,
+                          flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
 }
 SSD_LAYOUT_FIXED(ssd_state_chained, StateChainedParams, sizeof(StateChainedSmem<ChunkStateLocalPairSmem>));
 
@@ -195,7 +218,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained_bf16(cons
                                               p.dstate, p.chunk_size, p.nchunks};
         chunk_state_local_pair_bf16_body(sp, b, c, 0, pair, acc);
     }
-    chain_hand_off<true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, flags,
-                         p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
+    chain_hand_off<true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states,
+                         p.states_lo, flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c,
+                         pair);
 }
 SSD_LAYOUT_FIXED(ssd_state_chained_bf16, StateChainedBf16Params, sizeof(StateChainedSmem<ChunkStateLocalPairBf16Smem>));

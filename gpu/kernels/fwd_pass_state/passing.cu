@@ -10,6 +10,8 @@
 // chunk_init[c] = (k, s) with k >= 0, the sequence of the chunk's last token starts at the chunk's
 // token s from seq_init[k], and L_c gains that state's share before the pass:
 //   L_c <- fma(exp(cs[last_c] - cs[s - 1]), seq_init[k, h], L_c)  (cs[-1] = 0),  scale_c = 0.
+// With bf16 activations the pass also writes states_lo[b, c, h] = bf16(S_c) (to nearest even):
+// the operand the bf16 output kernel's product takes (bf16.cu), read there in half the bytes.
 #define SP_THREADS 256
 #define SP_UNROLL 8
 template <int V>
@@ -18,6 +20,11 @@ template <>
 struct vecf<1> { typedef float T; };
 template <>
 struct vecf<4> { typedef float4 T; };
+// S_c rounded to bf16 (to nearest even, as pack_bf16x2) into states_lo.
+__device__ __forceinline__ void store_lo(bf16_t* dst, float v) { *dst = (bf16_t)(pack_bf16x2(v, 0.0f) & 0xffffu); }
+__device__ __forceinline__ void store_lo(bf16_t* dst, float4 v) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+}
 __device__ __forceinline__ float vfma(float s, float a, float b) { return fmaf(s, a, b); }
 __device__ __forceinline__ float4 vfma(float s, float4 a, float4 b) {
     return make_float4(fmaf(s, a.x, b.x), fmaf(s, a.y, b.y), fmaf(s, a.z, b.z), fmaf(s, a.w, b.w));
@@ -26,7 +33,8 @@ template <int V>
 __device__ __forceinline__ void state_passing_body(
     const float* __restrict__ dA_cumsum, const float* __restrict__ initial_states, const int* __restrict__ seq_idx,
     float* __restrict__ chunk_states, float* __restrict__ final_states, int seqlen, int nheads, int headdim,
-    int dstate, int chunk_size, int nchunks, const float* __restrict__ seq_init, const int* __restrict__ chunk_init)
+    int dstate, int chunk_size, int nchunks, const float* __restrict__ seq_init, const int* __restrict__ chunk_init,
+    bf16_t* __restrict__ states_lo)
 {
     typedef typename vecf<V>::T T;
     const i64 n = (i64)headdim * dstate;
@@ -39,6 +47,7 @@ __device__ __forceinline__ void state_passing_body(
     if (initial_states != nullptr) run = *reinterpret_cast<const T*>(initial_states + bh * n + e);
     const i64 cstride = (i64)nheads * n;  // from one chunk to the next
     float* p = chunk_states + ((i64)b * nchunks * nheads + h) * n + e;
+    bf16_t* lo = states_lo != nullptr ? states_lo + ((i64)b * nchunks * nheads + h) * n + e : nullptr;
     const float* cs_row = dA_cumsum + bh * nchunks * chunk_size;
     int seq_prev = 0;
     for (int c0 = 0; c0 < nchunks; c0 += SP_UNROLL) {
@@ -82,6 +91,7 @@ __device__ __forceinline__ void state_passing_body(
             const int c = c0 + k;
             if (c < nchunks) {
                 *reinterpret_cast<T*>(p + (i64)c * cstride) = run;
+                if (lo != nullptr) store_lo(lo + (i64)c * cstride, run);
                 run = vfma(sc[k], run, own[k]);
             }
         }
@@ -100,15 +110,16 @@ struct StatePassingParams {
     int vec4;  // 1: 4 elements per thread (headdim * dstate a multiple of 4)
     const float* seq_init;        // [nseq, nheads, headdim, dstate] or null (packed, batch 1)
     const int* chunk_init;        // [nchunks, 2]: (k or -1, first token of k in the chunk) or null
+    bf16_t* states_lo;            // [batch, nchunks, nheads, headdim, dstate] or null
 };
-static_assert(sizeof(StatePassingParams) == 88, "StatePassingParams: the Rust struct has 88 bytes");
+static_assert(sizeof(StatePassingParams) == 96, "StatePassingParams: the Rust struct has 96 bytes");
 
 extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(const StatePassingParams p) {
     if (p.vec4)
         state_passing_body<4>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo);
     else
         state_passing_body<1>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo);
 }
 SSD_LAYOUT_FIXED(ssd_state_passing, StatePassingParams, 0);
