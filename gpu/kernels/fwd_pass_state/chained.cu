@@ -71,6 +71,29 @@ typedef StateChainedParamsT<bf16_t> StateChainedBf16Params;
 static_assert(sizeof(StateChainedParams) == 112, "StateChainedParams: the Rust struct has 112 bytes");
 static_assert(sizeof(StateChainedBf16Params) == 112, "one Rust struct for both");
 
+// f(mi, hf, nf, sr, row, nc) for each of the thread's pairs of neighbouring columns (dstate is
+// a multiple of 4) inside its unit's state, in chain_hand_off's layout: accumulator
+// acc[mi][nf][2 hf (+1)], row sr of the shared stage, element offset row + nc in a state.
+template <bool rows16, typename F>
+__device__ __forceinline__ void each_state_pair(int rows_p, int cols_n, int p0, int dstate, F&& f) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wm = (warp >> 1) & 1, col0 = (warp & 1) * 64;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
+            if (pr >= rows_p) continue;
+            const i64 row = (i64)(p0 + pr) * dstate;
+            const int sr = wm * 32 + 16 * mi + g + 8 * hf;
+#pragma unroll
+            for (int nf = 0; nf < 8; ++nf) {
+                const int nc = col0 + nf * 8 + 2 * q;
+                if (nc < cols_n) f(mi, hf, nf, sr, row, nc);
+            }
+        }
+}
+
 // The block's part of the hand-off (phase B) for (b, pair, c), its chunk's own state in acc
 // (warp w: unit w / 4, rows 32 ((w / 2) % 2), columns 64 (w % 2); within the 32 rows, fragment
 // row (mi, hf) at 4 g + 2 mi + hf, as store_state_tile, or at 16 mi + g + 8 hf with rows16).
@@ -82,11 +105,10 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
                                                float* chunk_states, float* final_states, bf16_t* states_lo,
                                                int* flags, int seqlen, int nheads, int headdim, int dstate,
                                                int chunk_size, int nchunks, int b, int c, int pair) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const int ptiles = (headdim + 63) / 64;
     const int unit = 2 * pair + (warp >> 2);
     const int h = unit / ptiles, p0 = (unit % ptiles) * 64;
-    const int wm = (warp >> 1) & 1, col0 = (warp & 1) * 64;
     const int rows_p = min(64, headdim - p0), cols_n = min(128, dstate);
     const i64 bh = (i64)b * nheads + h;
     const i64 n = (i64)headdim * dstate;
@@ -130,27 +152,8 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // every thread's copies have landed
-    // f(mi, hf, nf, sr, row, nc) for each of the thread's pairs of neighbouring columns (dstate
-    // is a multiple of 4) inside the unit's state: accumulator acc[mi][nf][2 hf (+1)], row sr
-    // of the stage, element offset row + nc in a state.
-    auto each_pair = [&](auto&& f) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int pr = wm * 32 + (rows16 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf);
-                if (pr >= rows_p) continue;
-                const i64 row = (i64)(p0 + pr) * dstate;
-                const int sr = wm * 32 + 16 * mi + g + 8 * hf;
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) {
-                    const int nc = col0 + nf * 8 + 2 * q;
-                    if (nc < cols_n) f(mi, hf, nf, sr, row, nc);
-                }
-            }
-    };
     // The fma and the stores.
-    each_pair([&](int mi, int hf, int nf, int sr, i64 row, int nc) {
+    each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int sr, i64 row, int nc) {
         const float2 s_c =
             src != nullptr ? *reinterpret_cast<const float2*>(stage + sr * CHAIN_S + nc) : make_float2(0.0f, 0.0f);
         if (c == 0) {
@@ -167,7 +170,7 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
     if (lo_c == nullptr || c + 1 >= nchunks) return;
     // bf16(S_{c+1}) for the output kernel, which runs after this kernel: no fence needed.
     bf16_t* lo_next = lo_c + (i64)nheads * n;
-    each_pair([&](int mi, int hf, int nf, int, i64 row, int nc) {
+    each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int, i64 row, int nc) {
         *reinterpret_cast<unsigned*>(lo_next + row + nc) = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
     });
 }
