@@ -146,4 +146,5 @@ inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 // L2 eviction policies: hints only, nothing to emulate.
 inline unsigned long long l2_evict_first() { return 0; }
 inline void cp_async16_hint(float* dst, const float* src, bool valid, const float* f, unsigned long long) { cp_async16(dst, src, valid, f); }
+inline void st_hint_b32(void* p, unsigned v, unsigned long long) { std::memcpy(p, &v, 4); }
 inline void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long) { cp_async16_all(dst, src); }

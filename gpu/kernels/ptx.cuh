@@ -93,6 +93,10 @@ __device__ __forceinline__ void cp_async16_hint(float* dst, const float* src, bo
 __device__ __forceinline__ void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long pol) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
 }
+// A store with an L2 policy: data written for a later kernel, not for this one.
+__device__ __forceinline__ void st_hint_b32(void* p, unsigned v, unsigned long long pol) {
+    asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(p), "r"(v), "l"(pol) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most N of this thread's committed groups are still pending; the completed

@@ -19,7 +19,9 @@ const CHAINED_MAX_DSTATE: usize = 128;
 impl Gpu {
     /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
     /// `outputs.final_states` (with bf16 activations also `chunk_states` rounded to bf16, for
-    /// [`Gpu::compute_out`]).
+    /// [`Gpu::compute_out`]; and with bf16 activations `chunk_states` itself may be left
+    /// unwritten where the outputs do not keep it, see
+    /// [`crate::DeviceOutputs::set_keep_chunk_states`]).
     ///
     /// With `S_0 = initial_states` (zeros when absent), for each chunk `c` with last real
     /// token `last`, `cs = dA_cumsum[b, h, c, :]`:
@@ -254,7 +256,13 @@ impl Gpu {
             da_cumsum: args.read(&outputs.dA_cumsum),
             initial_states: args.opt(inputs.initial_states.as_ref()),
             seq_idx: args.opt(inputs.seq_idx.as_ref()),
-            chunk_states: args.write(&mut outputs.chunk_states),
+            // The bf16 output kernel reads `states_lo`: `chunk_states` is written only where
+            // the caller keeps it. The f32 one reads `chunk_states`.
+            chunk_states: if T::BF16 && !outputs.keep_chunk_states {
+                0
+            } else {
+                args.write(&mut outputs.chunk_states)
+            },
             final_states: args.write(&mut outputs.final_states),
             chain: args.write(chain),
             sizes: StateSizes::new(&d, &o),
@@ -273,7 +281,10 @@ impl Gpu {
         // bf16 `check_bf16` above), dstate <= 128, and the grid (one block per ticket, `len - 1`
         // < i32::MAX); the scratch has `len` flags and was cleared above on this stream; the
         // dynamic shared memory fits this device (`chained`); `states_lo`, where given (bf16),
-        // has the length of `chunk_states` (`check_states_lo`).
+        // has the length of `chunk_states` (`check_states_lo`); `chunk_states` is 0 (not
+        // written) only with bf16, whose output kernel reads `states_lo` instead;
+        // `final_states` is the chains' running state, written by chunk 0's block before any
+        // block reads it (chunk 0 reads `initial_states`).
         unsafe { self.launch(kernel, ((len - 1) as u32, 1, 1), d.dstate, &params) }?;
         Ok(())
     }

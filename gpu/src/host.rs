@@ -93,13 +93,21 @@ impl Gpu {
     /// headdim, dstate]`, `dA_cumsum` `[batch, nheads, nchunks, chunk_size]`, `chunk_states`
     /// `[batch, nchunks, nheads, headdim, dstate]`.
     ///
-    /// # Errors
-    /// Driver errors, including faults of the kernels that produced the outputs.
     /// With bf16 activations `out` holds the bf16 values, widened (exactly) to f32.
+    ///
+    /// # Errors
+    /// Driver errors, including faults of the kernels that produced the outputs;
+    /// [`GpuError::Unsupported`] for outputs that do not keep `chunk_states`
+    /// ([`DeviceOutputs::set_keep_chunk_states`]): read their fields instead.
     pub fn download<T: IoElement>(
         &self,
         outputs: &DeviceOutputs<T>,
     ) -> Result<ChunkedOutput<f32>, GpuError> {
+        if !outputs.keeps_chunk_states() {
+            return Err(GpuError::Unsupported(
+                "these outputs do not keep chunk_states (set_keep_chunk_states(false)): copy `out` and `final_states` from their fields instead".into(),
+            ));
+        }
         let d = outputs.dims;
         let nchunks = d.nchunks(outputs.options.chunk_size);
         let q = outputs.options.chunk_size;

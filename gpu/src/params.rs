@@ -220,7 +220,9 @@ pub(crate) struct StateChainedParams {
     pub da_cumsum: u64,
     pub initial_states: u64,
     pub seq_idx: u64,
+    /// 0 with bf16 activations where the outputs do not keep `chunk_states`.
     pub chunk_states: u64,
+    /// Also the chains' running state, overwritten chunk by chunk.
     pub final_states: u64,
     pub chain: u64,
     pub sizes: StateSizes,

@@ -447,6 +447,7 @@ impl Gpu {
             } else {
                 None
             },
+            keep_chunk_states: true,
         })
     }
 
@@ -606,6 +607,8 @@ pub struct DeviceOutputs<T: IoElement = f32> {
     /// bf16 operand; `None` for f32 outputs and where the bf16 kernels do not serve
     /// ([`Gpu::runs_bf16`]).
     pub(crate) states_lo: Option<CudaSlice<Bf16>>,
+    /// Whether the forward must write `chunk_states` ([`DeviceOutputs::set_keep_chunk_states`]).
+    pub(crate) keep_chunk_states: bool,
 }
 
 impl<T: IoElement> DeviceOutputs<T> {
@@ -623,6 +626,42 @@ impl<T: IoElement> DeviceOutputs<T> {
             ));
         }
         Ok(())
+    }
+
+    /// Whether the forward writes `chunk_states` into these outputs: `true` (the default of
+    /// [`Gpu::alloc_outputs`]) or `false`, where the caller needs `out` and `final_states`
+    /// only. With `false`, `chunk_states` holds unspecified values after a forward wherever a
+    /// kernel does not need it as its own scratch: with bf16 activations the chained stage 2
+    /// then writes only the states' bf16 copy that the output kernel reads (0.65 GB fewer DRAM
+    /// writes at (8, 8192, 80, 64, 128), 5% of its time). Every other output and intermediate (`out`,
+    /// `final_states`, `dA_cumsum`, `dt`) holds the same bits either way, and so does
+    /// `chunk_states` with f32 activations, whose output kernel reads it.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), ssd_gpu::GpuError> {
+    /// use ssd_gpu::{Bf16, Gpu};
+    /// use ssd_reference::random::{random_problem, ProblemSpec};
+    /// use ssd_reference::Dims;
+    ///
+    /// let gpu = Gpu::new(0)?;
+    /// let spec = ProblemSpec::plain(Dims::new(2, 1024, 8, 64, 1, 128));
+    /// let problem = random_problem(&spec, 1).expect("a valid spec").cast::<f32>();
+    /// let inputs = gpu.upload_bf16(&problem)?;
+    /// let mut outputs = gpu.alloc_outputs::<Bf16>(&inputs.dims, &inputs.options)?;
+    /// outputs.set_keep_chunk_states(false); // out and final_states only
+    /// gpu.forward_into(&inputs, &mut outputs)?;
+    /// let final_states: Vec<f32> = gpu.stream().clone_dtoh(&outputs.final_states)?;
+    /// # let _ = final_states;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn set_keep_chunk_states(&mut self, keep: bool) {
+        self.keep_chunk_states = keep;
+    }
+
+    /// Whether the forward writes `chunk_states` (see [`DeviceOutputs::set_keep_chunk_states`]).
+    pub fn keeps_chunk_states(&self) -> bool {
+        self.keep_chunk_states
     }
 
     /// The sizes these outputs were allocated for.

@@ -175,6 +175,18 @@ fn gpu_bf16_out_holds_bf16_values_and_refusals_are_clean() {
     );
     gpu.forward_into(&inputs, &mut outputs)
         .expect("the whole forward widens instead");
+    // Outputs that do not keep chunk_states cannot be downloaded whole: refused, not garbage.
+    outputs.set_keep_chunk_states(false);
+    gpu.forward_into(&inputs, &mut outputs)
+        .expect("a forward without chunk_states");
+    let err = gpu
+        .download(&outputs)
+        .expect_err("download must refuse outputs without chunk_states");
+    assert!(
+        matches!(err, ssd_gpu::GpuError::Unsupported(_))
+            && err.to_string().contains("chunk_states"),
+        "{err}"
+    );
     // dstate above the limit: refused like the f32 path.
     let mut big = ProblemSpec::plain(Dims::new(1, 10, 1, 8, 1, ssd_gpu::MAX_DSTATE + 8));
     big.options.chunk_size = 8;

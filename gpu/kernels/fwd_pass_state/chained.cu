@@ -10,27 +10,40 @@
 // [64, dstate] tiles). A chain is a (b, pair); its blocks hand the state on from chunk to
 // chunk. Blocks take their (chain, chunk) from a ticket (an atomic counter), chunk-major: a
 // block waits only for a block that took its ticket earlier and so is running or done, which
-// rules out a deadlock whatever order the hardware starts blocks in. With S_c =
-// chunk_states[b, c, h] (the state entering chunk c, S_0 the initial state or 0), block
-// (b, pair, c):
+// rules out a deadlock whatever order the hardware starts blocks in. With S_c the state
+// entering chunk c (S_0 the initial state or 0), block (b, pair, c):
 //   A. computes L_c for both units into the tensor-core accumulators (2a's pair body, pair.cu,
 //      or its bf16 twin, bf16.cu);
 //   B. waits until chunk c - 1's block has published S_c (its flag set, acquire), copies S_c
-//      into shared memory (all of it in flight at once), writes S_{c+1} = fma(scale_c, S_c, L_c) (2b's formula, scale_c = exp(cs[last_c]) if
-//      seq(last_c) = seq(last_{c-1}), else 0) to chunk_states[b, c + 1] (final_states after
-//      the last chunk; at c = 0 also S_0 to chunk_states[b, 0]), and releases chunk c + 1's
-//      flag (fence, release).
+//      into shared memory (all of it in flight at once), writes S_{c+1} = fma(scale_c, S_c, L_c)
+//      (2b's formula, scale_c = exp(cs[last_c]) if seq(last_c) = seq(last_{c-1}), else 0) to
+//      the hand-off (below; final_states after the last chunk), and releases chunk c + 1's flag
+//      (fence, release).
+// The hand-off is chunk_states[b, c + 1] (at c = 0 the block also writes S_0 to
+// chunk_states[b, 0]). With bf16 activations chunk_states is null unless the caller keeps it
+// (the bf16 output kernel reads states_lo only); then the hand-off is final_states[b, h] itself,
+// the chain's running state, overwritten in place chunk after chunk (64 KB per chain, 21 MB at
+// (8, 8192, 80): it can stay in L2). In place is safe: only the block holding chunk c's turn
+// touches it, between its acquire (after chunk c - 1's block wrote it) and its release (after
+// its own reads and writes).
 // With bf16 activations the block also writes S_{c+1} rounded to bf16 (to nearest even) to
 // states_lo[b, c + 1] (and S_0 to states_lo[b, 0]), after the release, off the chain's
 // critical path: the operand of the bf16 output kernel's product (compute_out/bf16.cu).
 // So the states cross HBM twice in the forward (written here, read by 3b) instead of four
-// times (2a's write, 2b's read and write, 3b's read). Only phase B lies on a chain's critical
-// path: one round trip through L2 per chunk.
+// times (2a's write, 2b's read and write, 3b's read); without chunk_states only their bf16 copy
+// does (the running states stay in L2 where they fit). Only phase B lies on a chain's critical path: one round trip through L2 per chunk.
 // L2 priorities: S_c is written by chunk c - 1's block about one wave of blocks before chunk
 // c's block reads it, and in between some 260 blocks stream their x (128 KB each in f32)
 // through L2. With normal priority much of S_c came back from HBM (ncu: 2.09 GB of DRAM reads
 // in f32 at (8, 8192, 80) where x and B take 1.4 GB). Phase A reads x, and phase B S_c, with
-// priority evict_first: read once, they leave L2 before the states written since.
+// priority evict_first: read once, they leave L2 before the states written since. The
+// running state, rewritten at once, is read at normal priority, and the bf16 copies written
+// beside it with evict_first.
+// The kept and the lean hand-off are two instantiations of chain_hand_off (keep), chosen once
+// per block. Measured (docs/perf-history.md, version 36): handing off through the running state
+// where chunk_states is kept too, with chunk_states written after the release, made stage 2
+// slower (0.858 -> 0.958 ms at (8, 8192, 80) in f32: twice the stores); the lean form as
+// runtime branches of one body gained nothing, as its own instantiation 4% of stage 2 there.
 // Scratch: chain[0] the ticket counter, then one flag per (b, pair, chunk), chunk-minor; all
 // zero at launch (the host clears them on the stream before each launch).
 
@@ -59,8 +72,8 @@ struct StateChainedParamsT {
     const float* dA_cumsum;       // [batch, nheads, nchunks, chunk_size]
     const float* initial_states;  // [batch, nheads, headdim, dstate] or null
     const int* seq_idx;           // [batch, seqlen] or null
-    float* chunk_states;          // [batch, nchunks, nheads, headdim, dstate]
-    float* final_states;          // [batch, nheads, headdim, dstate]
+    float* chunk_states;          // [batch, nchunks, nheads, headdim, dstate]; bf16: null = not written
+    float* final_states;          // [batch, nheads, headdim, dstate], also the chains' running state
     int* chain;                   // [1 + batch * pairs * nchunks], zero at launch
     int seqlen, nheads, headdim, ngroups, dstate, chunk_size, nchunks;
     int batch;
@@ -97,9 +110,11 @@ __device__ __forceinline__ void each_state_pair(int rows_p, int cols_n, int p0, 
 // The block's part of the hand-off (phase B) for (b, pair, c), its chunk's own state in acc
 // (warp w: unit w / 4, rows 32 ((w / 2) % 2), columns 64 (w % 2); within the 32 rows, fragment
 // row (mi, hf) at 4 g + 2 mi + hf, as store_state_tile, or at 16 mi + g + 8 hf with rows16).
-// Waits for S_c, writes S_{c+1} = fma(scale_c, S_c, L_c) (and S_0 at c = 0), releases c + 1;
-// then, where states_lo is given, their bf16 copies (acc holds S_{c+1} on return).
-template <bool rows16>
+// Waits for S_c, writes S_{c+1} = fma(scale_c, S_c, L_c) to the hand-off (with keep
+// chunk_states[b, c + 1], and S_0 to chunk_states[b, 0] at c = 0; without, final_states[b, h]
+// in place; final_states after the last chunk), releases c + 1; then, where states_lo is
+// given, the bf16 copies (acc holds S_{c+1} on return).
+template <bool rows16, bool keep>
 __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const float* __restrict__ dA_cumsum,
                                                const int* __restrict__ seq_idx, const float* initial_states,
                                                float* chunk_states, float* final_states, bf16_t* states_lo,
@@ -121,23 +136,27 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
         seq_prev = c > 0 ? seq_idx[(i64)b * seqlen + t0 - 1] : 0;
     }
     const float scale = seq_last == seq_prev ? expf(cs_last) : 0.0f;
-    float* st_c = chunk_states + (((i64)b * nchunks + c) * nheads + h) * n;
-    const float* src = c > 0 ? st_c : (initial_states != nullptr ? initial_states + bh * n : nullptr);
-    float* dst = c + 1 < nchunks ? st_c + (i64)nheads * n : final_states + bh * n;
-    bf16_t* lo_c = states_lo != nullptr ? states_lo + (((i64)b * nchunks + c) * nheads + h) * n : nullptr;
+    const i64 at_c = (((i64)b * nchunks + c) * nheads + h) * n;
+    const i64 next = (i64)nheads * n;  // from chunk c's states to chunk c + 1's
+    float* st_c = keep ? chunk_states + at_c : nullptr;
+    float* run = final_states + bh * n;
+    const float* src = c > 0 ? (keep ? st_c : run) : (initial_states != nullptr ? initial_states + bh * n : nullptr);
+    float* dst = keep && c + 1 < nchunks ? st_c + next : run;
+    bf16_t* lo_c = states_lo != nullptr ? states_lo + at_c : nullptr;
     if (tid == 0 && c > 0) {
         while (ld_acquire_gpu(flags + c) == 0) __nanosleep(100);
     }
     __syncthreads();  // S_c is published, and phase A is done with the shared memory
     // S_c of the thread's unit into shared memory, all 16 of the thread's copies in flight at
-    // once (one L2 round trip on the chain's critical path), read with priority evict_first:
-    // nothing reads S_c from L2 after this block. Row pr of the unit at row 32 (pr / 32) + the
-    // fragment order's index of pr % 32 (16 mi + g + 8 hf), so that the reads below are free
-    // of bank conflicts at a row stride of 8 mod 32 words (CHAIN_S).
+    // once (one L2 round trip on the chain's critical path), read with priority evict_first
+    // (nothing reads it after this block), except the running state, which this block
+    // rewrites right after. Row pr of the unit at row 32 (pr / 32) + the fragment order's index
+    // of pr % 32 (16 mi + g + 8 hf), so that the reads below are free of bank conflicts at a
+    // row stride of 8 mod 32 words (CHAIN_S).
     SSD_DYNAMIC_SMEM(stage_raw);
     float* stage = stage_raw + (warp >> 2) * 64 * CHAIN_S;
+    const unsigned long long pol = l2_evict_first();
     if (src != nullptr) {
-        const unsigned long long pol = l2_evict_first();
         const int t = tid & 127;
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
@@ -146,17 +165,22 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
             const int lr = pr & 31;
             const int sr = (pr & 32) + (rows16 ? lr : 16 * ((lr >> 1) & 1) + (lr >> 2) + 8 * (lr & 1));
             const bool ok = pr < rows_p && nc < cols_n;
-            cp_async16_hint(stage + sr * CHAIN_S + nc, ok ? src + (i64)(p0 + pr) * dstate + nc : src, ok, src, pol);
+            const float* from = ok ? src + (i64)(p0 + pr) * dstate + nc : src;
+            if (!keep && c > 0)
+                cp_async16(stage + sr * CHAIN_S + nc, from, ok, src);
+            else
+                cp_async16_hint(stage + sr * CHAIN_S + nc, from, ok, src, pol);
         }
     }
     cp_async_commit();
     cp_async_wait<0>();
-    __syncthreads();  // every thread's copies have landed
+    __syncthreads();  // every thread's copies have landed (and were read: the running state is
+                      // overwritten in place only after this barrier)
     // The fma and the stores.
     each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int sr, i64 row, int nc) {
         const float2 s_c =
             src != nullptr ? *reinterpret_cast<const float2*>(stage + sr * CHAIN_S + nc) : make_float2(0.0f, 0.0f);
-        if (c == 0) {
+        if (keep && c == 0) {
             *reinterpret_cast<float2*>(st_c + row + nc) = s_c;
             if (lo_c != nullptr) *reinterpret_cast<unsigned*>(lo_c + row + nc) = pack_bf16x2(s_c.x, s_c.y);
         }
@@ -167,11 +191,25 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
     __threadfence();
     __syncthreads();  // every thread's part of S_{c+1} is written and fenced
     if (tid == 0 && c + 1 < nchunks) st_release_gpu(flags + c + 1, 1);
-    if (lo_c == nullptr || c + 1 >= nchunks) return;
-    // bf16(S_{c+1}) for the output kernel, which runs after this kernel: no fence needed.
-    bf16_t* lo_next = lo_c + (i64)nheads * n;
+    if (lo_c == nullptr) return;
+    // The bf16 copies for the output kernel, which runs after this kernel: no fence needed.
+    // Without chunk_states, with priority evict_first, so as not to push the running states
+    // out of L2, and S_0 (from the stage) here too.
+    if (!keep && c == 0) {
+        each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int, int, int, int sr, i64 row, int nc) {
+            const float2 s_0 =
+                src != nullptr ? *reinterpret_cast<const float2*>(stage + sr * CHAIN_S + nc) : make_float2(0.0f, 0.0f);
+            st_hint_b32(lo_c + row + nc, pack_bf16x2(s_0.x, s_0.y), pol);
+        });
+    }
+    if (c + 1 >= nchunks) return;
+    bf16_t* lo_next = lo_c + next;
     each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int, i64 row, int nc) {
-        *reinterpret_cast<unsigned*>(lo_next + row + nc) = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+        const unsigned v = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+        if (keep)
+            *reinterpret_cast<unsigned*>(lo_next + row + nc) = v;
+        else
+            st_hint_b32(lo_next + row + nc, v, pol);
     });
 }
 
@@ -201,8 +239,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained(const Sta
     chunk_state_local_pair_body(p.x, p.Bm, p.dt_out, p.dA_cumsum, p.seq_idx, p.seqlen, p.nheads, p.headdim,
                                 p.ngroups, p.dstate, p.chunk_size, p.nchunks, b, c, 0, pair, acc);
     // B: the hand-off.
-    chain_hand_off<false>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states, nullptr,
-                          flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c, pair);
+    chain_hand_off<false, true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states,
+                                nullptr, flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c,
+                                pair);
 }
 SSD_LAYOUT_FIXED(ssd_state_chained, StateChainedParams, sizeof(StateChainedSmem<ChunkStateLocalPairSmem>));
 
@@ -221,8 +260,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_chained_bf16(cons
                                               p.dstate, p.chunk_size, p.nchunks};
         chunk_state_local_pair_bf16_body(sp, b, c, 0, pair, acc);
     }
-    chain_hand_off<true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states,
-                         p.states_lo, flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, b, c,
-                         pair);
+    if (p.chunk_states != nullptr)
+        chain_hand_off<true, true>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, p.chunk_states, p.final_states,
+                                   p.states_lo, flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size,
+                                   p.nchunks, b, c, pair);
+    else
+        chain_hand_off<true, false>(acc, p.dA_cumsum, p.seq_idx, p.initial_states, nullptr, p.final_states,
+                                    p.states_lo, flags, p.seqlen, p.nheads, p.headdim, p.dstate, p.chunk_size,
+                                    p.nchunks, b, c, pair);
 }
 SSD_LAYOUT_FIXED(ssd_state_chained_bf16, StateChainedBf16Params, sizeof(StateChainedSmem<ChunkStateLocalPairBf16Smem>));

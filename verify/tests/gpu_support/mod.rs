@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use ssd_gpu::{Gpu, GpuConfig, GpuError, Variant};
+use ssd_gpu::{DeviceInputs, Gpu, GpuConfig, GpuError, IoElement, Variant};
 use ssd_reference::random::{
     random_pair_spec, random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng,
 };
@@ -137,6 +137,16 @@ impl Io {
         }
     }
 
+    /// Bit patterns of `out`, `final_states` and `dA_cumsum` (the order of [`bits`]) from a
+    /// forward into outputs that do not keep `chunk_states`
+    /// (`DeviceOutputs::set_keep_chunk_states(false)`).
+    pub fn forward_lean_bits(self, gpu: &Gpu, p32: &Problem<f32>) -> Result<Vec<u32>, GpuError> {
+        match self {
+            Io::F32 => lean_bits(gpu, &gpu.upload(p32)?),
+            Io::Bf16 => lean_bits(gpu, &gpu.upload_bf16(p32)?),
+        }
+    }
+
     /// The verdict on `got` under this path's error model.
     pub fn check(self, got: &ChunkedOutput<f32>, oracle: &Oracle) -> Verdict {
         match self {
@@ -144,6 +154,19 @@ impl Io {
             Io::Bf16 => check_bf16(got, oracle),
         }
     }
+}
+
+fn lean_bits<T: IoElement>(gpu: &Gpu, inputs: &DeviceInputs<T>) -> Result<Vec<u32>, GpuError> {
+    let mut outputs = gpu.alloc_outputs::<T>(&inputs.dims, &inputs.options)?;
+    outputs.set_keep_chunk_states(false);
+    gpu.forward_into(inputs, &mut outputs)?;
+    let out: Vec<T> = gpu.stream().clone_dtoh(&outputs.out)?;
+    let fin: Vec<f32> = gpu.stream().clone_dtoh(&outputs.final_states)?;
+    let da: Vec<f32> = gpu.stream().clone_dtoh(&outputs.dA_cumsum)?;
+    gpu.synchronize()?;
+    let mut v: Vec<u32> = out.into_iter().map(|x| x.to_f32().to_bits()).collect();
+    v.extend(fin.iter().chain(&da).map(|x| x.to_bits()));
+    Ok(v)
 }
 
 /// What one kernel variant gave on a list of cases.
@@ -353,6 +376,16 @@ pub fn assert_chained_matches_staged(
         assert!(
             a == b,
             "{label}: the chained kernel and the stage-by-stage kernels differ ({io:?}) on {}",
+            describe(spec, *seed)
+        );
+        // Without chunk_states kept (the bf16 chained kernel then skips writing them): the
+        // same out, final states and dA_cumsum.
+        let lean = io
+            .forward_lean_bits(&chained, &p32)
+            .expect("GPU forward (chained, chunk_states not kept)");
+        assert!(
+            lean[..] == a[..lean.len()],
+            "{label}: the chained kernel's outputs change when chunk_states is not kept ({io:?}) on {}",
             describe(spec, *seed)
         );
         served += 1;
