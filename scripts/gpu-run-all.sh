@@ -12,7 +12,8 @@
 #    checked in-process among it;
 # 5. the benchmark, f32 and bf16, against the anchors (mamba_ssm's and vLLM's Triton forwards,
 #    fp32 and bf16) in $SSD_TRITON_ROUNDS processes (default 2; SSD_TRITON_DTYPES=fp32 or bf16
-#    times one dtype's anchors alone, a shorter run) (skipped with --quick and --no-bench;
+#    times one dtype's anchors alone, a shorter run; SSD_TRITON_NO_SERVING=1 skips the serving
+#    shape's anchors) (skipped with --quick and --no-bench;
 #    --bench-only runs it alone);
 # --quick also cuts the fuzz suite to 200 cases (SSD_GPU_CASES overrides).
 # then prints a summary table last. Logs go to $SSD_LOG_DIR (default: logs/ beside this file),
@@ -127,7 +128,7 @@ if [ $bench = 1 ]; then
     [ -x "$b" ] || continue
     step "$(basename "$b")" 'BENCH_JSON|skipped' "$b" --reps 30
     step triton-table '^\| \(|^\| 64|ceilings|unavailable' env PYTHONPATH="$here/anchors:$here/anchors/vllm_pkg${PYTHONPATH:+:$PYTHONPATH}" \
-      python3 gpu_bench_table.py "$logs/all/$(basename "$b").log" --rounds "${SSD_TRITON_ROUNDS:-2}" --dtypes "${SSD_TRITON_DTYPES:-fp32,bf16}"
+      python3 gpu_bench_table.py "$logs/all/$(basename "$b").log" --rounds "${SSD_TRITON_ROUNDS:-2}" --dtypes "${SSD_TRITON_DTYPES:-fp32,bf16}" ${SSD_TRITON_NO_SERVING:+--no-serving}
   done
 fi
 

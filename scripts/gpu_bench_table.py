@@ -3,7 +3,7 @@
 the ceilings of this GPU (device-to-device copy bandwidth, TF32 and bf16 matrix rates), and prints
 one table per dtype next to our forward's timings.
 
-Usage: gpu_bench_table.py OUR_BENCH_LOG [--rounds N] [--dtypes fp32,bf16]   (the log of `cargo bench -p ssd-gpu
+Usage: gpu_bench_table.py OUR_BENCH_LOG [--rounds N] [--dtypes fp32,bf16] [--no-serving]   (the log of `cargo bench -p ssd-gpu
 --bench forward`, which holds one `BENCH_JSON {...}` line per shape and dtype: lines with
 `"dtype": "bf16"` are our bf16 path, lines without the field or with `"dtype": "f32"` our fp32
 inputs with TF32 products). Needs torch and triton, and mamba_ssm's Triton kernels on PYTHONPATH
@@ -31,10 +31,14 @@ log has it; a dtype without lines in our log still gets its table, ours n/a. One
 gives the worst speedup over the five shapes and the % of floor at FLOOR_SHAPE, and one
 `TABLE_JSON {...}` line per shape and dtype holds every number for the docs.
 
+Ours is the log's `ours_ms`: the forward into outputs that do not keep `chunk_states`; where the
+log also has `kept_ms` (the forward with them kept) the cell gives it in brackets.
+
 The serving shape (SERVING_JSON lines, fp32: 64 requests packed into one row) is timed against
 mamba_ssm's forward with cu_seqlens, seq_idx and return_varlen_states (no per-request initial
 states: mamba_ssm has none) and, with one initial state per request, against vLLM's
-mamba_chunk_scan_combined_varlen (when importable), in this process.
+mamba_chunk_scan_combined_varlen (when importable), in this process; `--no-serving` skips it (so
+that both dtypes' anchors in one process fit a 10-minute call).
 
 The anchors are timed in N separate processes (default 3), one after the other, each timing every
 anchor on every shape in both dtypes: the Triton kernels pick their launch configurations by
@@ -79,6 +83,7 @@ if "--dtypes" in args:  # e.g. --dtypes bf16: time those anchors alone (a shorte
     DTYPES = tuple(d for d in args[args.index("--dtypes") + 1].split(",") if d in DTYPES)
     if not DTYPES:
         sys.exit("--dtypes takes fp32, bf16 or fp32,bf16")
+no_serving = "--no-serving" in args
 positional = [a for i, a in enumerate(args)
               if not a.startswith("--") and (i == 0 or args[i - 1] not in ("--rounds", "--dtypes"))]
 
@@ -130,7 +135,7 @@ def table_row(shape, dtype, anchors, ceilings):
     bs, L, H, P, N, G, Q = shape
     o = ours.get((shape, dtype))
     r = {"shape": list(shape), "dtype": dtype, "ours_ms": o["ours_ms"] if o else None}
-    for k in ("cumsum_ms", "state_ms", "out_ms"):
+    for k in ("kept_ms", "cumsum_ms", "state_ms", "out_ms"):
         if o and k in o:
             r[k] = o[k]
     ms = {}  # name -> (fastest process, slowest process)
@@ -175,12 +180,12 @@ def print_table(dtype, rows, note=""):
     anchors = list(RUNNABLE) + ([FUSED5] if dtype == "bf16" else [])
     print()
     print(f"Triton anchors, {DTYPE_TITLE[dtype]}: {note}")
-    cols = ["shape (b, L, H, P, N, G, Q)", "ours ms"] + [a + " ms" for a in anchors] + [
+    cols = ["shape (b, L, H, P, N, G, Q)", "ours ms (chunk_states kept)"] + [a + " ms" for a in anchors] + [
         "fastest anchor", "speedup vs fastest", "GB/s (minimal bytes)", "% of floor", "cumsum / state / out"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in rows:
-        cells = [str(tuple(r["shape"])), fmt(r["ours_ms"], none="n/a")]
+        cells = [str(tuple(r["shape"])), fmt(r["ours_ms"], none="n/a") + (f" ({r['kept_ms']:.3f})" if r.get("kept_ms") else "")]
         for a in anchors:
             key = "fused5_derived" if a == FUSED5 else a.lower()
             if r.get(key + "_ms") is not None:
@@ -415,7 +420,12 @@ def time_serving(j):
     return name, ms
 
 
-if serving:
+if serving and no_serving:
+    print()
+    print("Serving shape: anchors not timed (--no-serving); ours: " + "; ".join(
+        f"{j['ours_ms']:.3f} ms ({j['stages_ms']:.3f} the three stages alone), per-request states {'yes' if j['per_request_states'] else 'no'}"
+        for j in serving))
+elif serving:
     print()
     print("Serving shape: 64 requests packed into one row, fp32 (one process's median each)")
     print("| requests, tokens (H, P, N, Q) | initial state per request | ours ms (three stages alone) | anchor | anchor ms | speedup | GB/s (minimal bytes) | % of floor |")
