@@ -328,17 +328,18 @@ __device__ __forceinline__ void async_rows_bf16(bf16_t* dst, int dst_stride, con
 
 // acc += A B^T for one warp's 32 x (8 NF) part as mma_slab_2xn, over bf16 tiles (strides in
 // elements, multiples of 8, rows 16-byte aligned; kend a multiple of 16): A stored row-major
-// ([row][k], shared address a_s in bytes), B stored n-major ([n][k], b_s); bf16 products.
+// ([row][k], shared address a_s in bytes), B stored n-major ([n][k], b_s); bf16 products. The
+// warp's two 16-row groups of A start at a_row and a_row + a_gap (16: 32 consecutive rows).
 template <int NF>
 __device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsigned a_s, unsigned b_s, int stride,
-                                                  int a_row, int b_row, int kend, int lane) {
+                                                  int a_row, int b_row, int kend, int lane, int a_gap = 16) {
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8;
     const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8;
     for (int kk = 0; kk < kend; kk += 16) {
         unsigned a[2][4], bf[NF][2];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
-            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * 16) * stride + kk + a_off) * 2u);
+            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * a_gap) * stride + kk + a_off) * 2u);
 #pragma unroll
         for (int np = 0; np < NF / 2; ++np) {
             unsigned r4[4];

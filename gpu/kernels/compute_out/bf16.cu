@@ -89,8 +89,11 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 
 // 3b, ssd_compute_out_pair_bf16: the pair kernel (pair.cu) over bf16 tiles. One block of 256
 // threads (8 warps, two blocks per SM) per (batch, chunk, 128 rows, pair of units of one
-// group); warp w owns rows 32 (w / 2) and unit w % 2, a 32 x 64 output tile. Its steps flow
-// through a 3-stage cp.async ring, one barrier per step:
+// group); warp w owns unit w % 2 and two 16-row groups of the block, w / 2 and 7 - w / 2 (rows
+// 16 (w / 2) and 16 (7 - w / 2) on), a 32 x 64 output tile. Balanced so: along the block's own
+// columns the causal mask gives the lower rows more steps, and every warp holds one group of
+// each end. A warp skips the 16-column halves of a step that lie wholly right of a group's
+// last row. Its steps flow through a 3-stage cp.async ring, one barrier per step:
 //   steps over dstate, 32 wide (only when the carried state is not 0): C[i, n0:n0+32] (bf16,
 //     128 rows) and bf16(S_u)[p, n0:n0+32] (states_lo) of both units; acc += C bf16(S_u)^T,
 //     both operands' fragments through ldmatrix;
@@ -99,7 +102,7 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 //     block's rows, x_u[j, p] (bf16) of both units, cs_j, dt'_j of both heads, seq_j. Each warp
 //     builds its A fragments from f32 pairs of scores, decays them as pair.cu does (the split
 //     row and column factors left of the block without seq_idx) and rounds them to bf16; x's
-//     fragments come through ldmatrix.trans. The D term is added at the warp's own rows' step.
+//     fragments come through ldmatrix.trans. The D term is added at the step of each group's rows.
 // Epilogue: z gate (z bf16), out written as bf16 pairs, rounded to nearest even.
 // Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
 // mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the
@@ -248,10 +251,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
     float acc[2][8][4];
     zero_2xn(acc);
 
-    const int r_w = wm * 32;  // the warp's first row in the block
-    const bool rows_mma = r_w < rows_i;
-    // The rows of this thread's fragments, r_w + 16 mi + g + 8 hf: log2(e) cs_i (-inf past the
-    // chunk's end) and seq.
+    // The warp's two row groups in the block (rb0 < rb1), and whether any of its rows is in.
+    const int rb0 = 16 * wm, rb1 = 16 * (7 - wm);
+    const bool rows_mma = rb0 < rows_i;
+    // The rows of this thread's fragments, (mi ? rb1 : rb0) + g + 8 hf: log2(e) cs_i (-inf past
+    // the chunk's end) and seq.
     float csl[2][2];
     int sq[2][2];
 
@@ -270,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int r = r_w + 16 * mi + g + 8 * hf;
+                    const int r = (mi ? rb1 : rb0) + g + 8 * hf;
                     csl[mi][hf] = r < rows_i ? sm.cs_i[wn][r] * LOG2E_F : NEG_INF_F;
                     sq[mi][hf] = sm.seq_i[r];
                 }
@@ -279,8 +283,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         const ComputeOutPairBf16Smem::Stage& st = sm.stage[s % 3];
         if (s < nslab) {
             // acc += C bf16(S_u)^T over 32 dstate columns (zeros past dstate in both).
-            mma_slab_2xn_bf16(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, r_w, wn * 64,
-                              COH_N, lane);
+            mma_slab_2xn_bf16(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, rb0, wn * 64,
+                              COH_N, lane, rb1 - rb0);
             continue;
         }
         const int j0 = (s - nslab) * 32;
@@ -301,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                 for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
-                        const int r = r_w + 16 * mi + g + 8 * hf;
+                        const int r = (mi ? rb1 : rb0) + g + 8 * hf;
                         const float f = sq[mi][hf] == seq_prev ? expf(sm.cs_i[wn][r]) : 0.0f;
 #pragma unroll
                         for (int nf = 0; nf < 8; ++nf) {
@@ -325,51 +329,58 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                     }
                 }
         }
-        if (j0 > i0 + r_w) continue;  // every column of the step lies right of this warp's rows
+        if (j0 > i0 + rb1 + 15) continue;  // every column of the step lies right of this warp's rows
         const float* cs_j = st.b.x.cs_j[wn];
         const float* dt_j = st.b.x.dt_j[wn];
         const int* seq_j = st.b.x.seq_j;
-        if (j0 == i0 + r_w && p.Dv != nullptr) {
-            // The step of the warp's own rows: y += D x from the stage (bf16 x, exact in f32).
+        // The step holding a group's own rows adds y += D x to it, from the stage (bf16 x, exact
+        // in f32): x's rows (rb & 31) + g + 8 hf there.
+        const bool d0 = j0 == i0 + (rb0 & ~31), d1 = j0 == i0 + (rb1 & ~31);
+        if ((d0 || d1) && p.Dv != nullptr) {
             // With D per head and a full unit: one D load and no column tests.
             const float dh = p.d_per_channel ? 0.0f : p.Dv[h];
-            if (!p.d_per_channel && cols_p == 64) {
 #pragma unroll
-                for (int nf = 0; nf < 8; ++nf)
+            for (int mi = 0; mi < 2; ++mi) {
+                if (!(mi ? d1 : d0)) continue;
+                const int xr = ((mi ? rb1 : rb0) & 31) + g;
+                if (!p.d_per_channel && cols_p == 64) {
 #pragma unroll
-                    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            const unsigned xv = *reinterpret_cast<const unsigned*>(
-                                &st.b.x.x[16 * mi + g + 8 * hf][wn * 64 + nf * 8 + 2 * q]);
-                            acc[mi][nf][2 * hf] += dh * bf16_lo(xv);
-                            acc[mi][nf][2 * hf + 1] += dh * bf16_hi(xv);
-                        }
-            } else {
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) {
-                    const int col = nf * 8 + 2 * q;
-                    if (col >= cols_p) continue;  // cols_p is a multiple of 8: col + 1 is in too
-                    const float d0 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col] : dh;
-                    const float d1 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col + 1] : dh;
-#pragma unroll
-                    for (int mi = 0; mi < 2; ++mi)
+                    for (int nf = 0; nf < 8; ++nf)
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf) {
                             const unsigned xv =
-                                *reinterpret_cast<const unsigned*>(&st.b.x.x[16 * mi + g + 8 * hf][wn * 64 + col]);
-                            acc[mi][nf][2 * hf] += d0 * bf16_lo(xv);
-                            acc[mi][nf][2 * hf + 1] += d1 * bf16_hi(xv);
+                                *reinterpret_cast<const unsigned*>(&st.b.x.x[xr + 8 * hf][wn * 64 + nf * 8 + 2 * q]);
+                            acc[mi][nf][2 * hf] += dh * bf16_lo(xv);
+                            acc[mi][nf][2 * hf + 1] += dh * bf16_hi(xv);
                         }
+                } else {
+#pragma unroll
+                    for (int nf = 0; nf < 8; ++nf) {
+                        const int col = nf * 8 + 2 * q;
+                        if (col >= cols_p) continue;  // cols_p is a multiple of 8: col + 1 is in too
+                        const float dc0 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col] : dh;
+                        const float dc1 = p.d_per_channel ? p.Dv[(i64)h * p.headdim + p0 + col + 1] : dh;
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const unsigned xv =
+                                *reinterpret_cast<const unsigned*>(&st.b.x.x[xr + 8 * hf][wn * 64 + col]);
+                            acc[mi][nf][2 * hf] += dc0 * bf16_lo(xv);
+                            acc[mi][nf][2 * hf + 1] += dc1 * bf16_hi(xv);
+                        }
+                    }
                 }
             }
         }
         const bool colf = split && j0 < i0;  // left of the block: the split decay, no mask
-        // Column k of the step is masked for fragment row (mi, hf) where k > lim + 16 mi + 8 hf.
-        const int lim = i0 + r_w - j0 + g;
+        // Column k of the step is masked for fragment row (mi, hf) where k > lim + rb + 8 hf.
+        const int lim = i0 - j0 + g;
         const unsigned x_s = smem_addr(&st.b.x.x[0][0]);
 #pragma unroll
         for (int kk = 0; kk < 32; kk += 16) {
+            // Group mi takes part where a column of this half lies at or left of its last row
+            // (the lower group wherever the upper one does).
+            const bool act0 = j0 + kk <= i0 + rb0 + 15;
+            if (j0 + kk > i0 + rb1 + 15) continue;
             // This thread's four columns: kk + 2q + {0, 1, 8, 9}.
             int kc[4];
             float cj[4], dj[4];
@@ -381,25 +392,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             }
             unsigned a[2][4], bf[8][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
+            for (int mi = 0; mi < 2; ++mi) {
+                if (mi == 0 && !act0) continue;
+                const int rb = mi ? rb1 : rb0;
 #pragma unroll
                 for (int reg = 0; reg < 4; ++reg) {
-                    // a[mi][reg]: row 16 mi + g + 8 (reg & 1), columns kc[2 (reg >> 1)] and the next.
+                    // a[mi][reg]: row rb + g + 8 (reg & 1), columns kc[2 (reg >> 1)] and the next.
                     const int hf = reg & 1, e0 = 2 * (reg >> 1);
-                    const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[r_w + 16 * mi + g + 8 * hf][kc[e0]]);
+                    const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[rb + g + 8 * hf][kc[e0]]);
                     float f0, f1;
                     if (colf) {
                         f0 = ex2_approx(R - cj[e0]) * dj[e0];
                         f1 = ex2_approx(R - cj[e0 + 1]) * dj[e0 + 1];
                     } else if (!has_seq) {
                         // As below with every seq equal: the mask alone (the same bits).
-                        const int lm = lim + 16 * mi + 8 * hf;
+                        const int lm = lim + rb + 8 * hf;
                         const float arg0 = kc[e0] <= lm ? csl[mi][hf] - cj[e0] : NEG_INF_F;
                         const float arg1 = kc[e0 + 1] <= lm ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
                         f0 = ex2_approx(arg0) * dj[e0];
                         f1 = ex2_approx(arg1) * dj[e0 + 1];
                     } else {
-                        const int lm = lim + 16 * mi + 8 * hf;
+                        const int lm = lim + rb + 8 * hf;
                         const int s0 = seq_j[kc[e0]], s1 = seq_j[kc[e0 + 1]];
                         const float arg0 = (kc[e0] <= lm && s0 == sq[mi][hf]) ? csl[mi][hf] - cj[e0] : NEG_INF_F;
                         const float arg1 = (kc[e0 + 1] <= lm && s1 == sq[mi][hf]) ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
@@ -408,11 +421,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                     }
                     a[mi][reg] = pack_bf16x2(v.x * f0, v.y * f1);
                 }
+            }
             load_b_kmajor_bf16(bf, x_s, COH_X, kk, wn * 64, lane);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
+            for (int mi = 0; mi < 2; ++mi) {
+                if (mi == 0 && !act0) continue;
 #pragma unroll
                 for (int nf = 0; nf < 8; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
+            }
         }
     }
 
@@ -422,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int r = r_w + 16 * mi + g + 8 * hf;
+            const int r = (mi ? rb1 : rb0) + g + 8 * hf;
             if (r >= rows_i) continue;
             const i64 row_off = ((i64)b * p.seqlen + t0 + i0 + r) * tok_stride_x + (i64)h * p.headdim + p0;
 #pragma unroll
