@@ -180,7 +180,7 @@ def print_table(dtype, rows, note=""):
     anchors = list(RUNNABLE) + ([FUSED5] if dtype == "bf16" else [])
     print()
     print(f"Triton anchors, {DTYPE_TITLE[dtype]}: {note}")
-    cols = ["shape (b, L, H, P, N, G, Q)", "ours ms (chunk_states kept)"] + [a + " ms" for a in anchors] + [
+    cols = ["shape (b, L, H, P, N, G, Q)", "ours ms (in brackets: chunk_states kept)"] + [a + " ms" for a in anchors] + [
         "fastest anchor", "speedup vs fastest", "GB/s (minimal bytes)", "% of floor", "cumsum / state / out"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))

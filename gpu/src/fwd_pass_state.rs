@@ -18,10 +18,9 @@ const CHAINED_MAX_DSTATE: usize = 128;
 
 impl Gpu {
     /// Enqueues stage 2 (after [`Gpu::chunk_cumsum`]), writing `outputs.chunk_states` and
-    /// `outputs.final_states` (with bf16 activations also `chunk_states` rounded to bf16, for
-    /// [`Gpu::compute_out`]; and with bf16 activations `chunk_states` itself may be left
-    /// unwritten where the outputs do not keep it, see
-    /// [`crate::DeviceOutputs::set_keep_chunk_states`]).
+    /// `outputs.final_states`. With bf16 activations it also writes `chunk_states` rounded to
+    /// bf16, which [`Gpu::compute_out`] reads, and may leave `chunk_states` itself unwritten
+    /// where the outputs do not keep it ([`crate::DeviceOutputs::set_keep_chunk_states`]).
     ///
     /// With `S_0 = initial_states` (zeros when absent), for each chunk `c` with last real
     /// token `last`, `cs = dA_cumsum[b, h, c, :]`:
