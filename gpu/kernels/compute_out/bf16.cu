@@ -103,6 +103,8 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 //     builds its A fragments from f32 pairs of scores, decays them as pair.cu does (the split
 //     row and column factors left of the block without seq_idx) and rounds them to bf16; x's
 //     fragments come through ldmatrix.trans. The D term is added at the step of each group's rows.
+// cs_i and seq_i of the block's rows come with step 0's copies (one round trip fewer before the
+// first step).
 // Epilogue: z gate (z bf16), out written as bf16 pairs, rounded to nearest even.
 // Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
 // mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the
@@ -198,11 +200,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         ptab[9] = p.dt_out + cb_1;
         ptab[10] = has_seq ? seq_row + t0 : nullptr;
     }
-    for (int r = tid; r < 2 * TM; r += NT) {
-        const int rr = r & (TM - 1);
-        sm.cs_i[r / TM][rr] = rr < rows_i ? p.dA_cumsum[(r < TM ? cb_0 : cb_1) + i0 + rr] : 0.0f;
+    {
+        // cs_i of both units and seq_i join step 0's copies (zeros past the chunk's end).
+        static_assert(NT == 2 * TM, "one cs_i entry per thread");
+        const int u = tid / TM, rr = tid & (TM - 1);
+        cp_async4(&sm.cs_i[u][rr], p.dA_cumsum + (u ? cb_1 : cb_0) + i0 + rr, rr < rows_i, p.dA_cumsum);
+        if (tid < TM) {
+            if (has_seq)
+                cp_async4(&sm.seq_i[tid], seq_row + t0 + i0 + tid, tid < rows_i, seq_row);
+            else
+                sm.seq_i[tid] = 0;
+        }
     }
-    if (tid < TM) sm.seq_i[tid] = (has_seq && tid < rows_i) ? seq_row[t0 + i0 + tid] : 0;
 
     const int nslab = (c > 0 || p.has_initial_states) ? (p.dstate + COH_N - 1) / COH_N : 0;
     const int nsteps = nslab + (min(i0 + TM, valid_c) + 31) / 32;

@@ -20,6 +20,8 @@
 //     the column factor 2^(R - csl_j) dt'_j, the rows 2^(csl_i - R) once the block's own
 //     columns begin. A warp skips the steps right of its rows. At the step of the warp's own
 //     rows the D skip term is added from the x stage (x is not read twice from L2).
+// cs_i and seq_i of the block's rows come with step 0's copies (one round trip fewer before the
+// first step).
 // Raw f32 operands (the tensor cores truncate them to TF32), f32 accumulation.
 // Dynamic shared memory (floats): 3 stages of [128 x 36 (C slab or scores), then either the S
 // slabs of both units (2 x 64 x 36) or x (32 x 136, unit u at column 64 u), cs_j[2][32],
@@ -90,11 +92,18 @@ __device__ __forceinline__ void compute_out_pair_body(
         ptab[9] = dt_out + cb_1;
         ptab[10] = has_seq ? (const float*)(seq_row + t0) : nullptr;
     }
-    for (int r = tid; r < 2 * TM; r += NT) {
-        const int rr = r & (TM - 1);
-        cs_i[r] = rr < rows_i ? dA_cumsum[(r < TM ? cb_0 : cb_1) + i0 + rr] : 0.0f;
+    {
+        // cs_i of both units and seq_i join step 0's copies (zeros past the chunk's end).
+        static_assert(NT == 2 * TM, "one cs_i entry per thread");
+        const int u = tid / TM, rr = tid & (TM - 1);
+        cp_async4(&cs_i[tid], dA_cumsum + (u ? cb_1 : cb_0) + i0 + rr, rr < rows_i, dA_cumsum);
+        if (tid < TM) {
+            if (has_seq)
+                cp_async4(&seq_i[tid], seq_row + t0 + i0 + tid, tid < rows_i, seq_row);
+            else
+                seq_i[tid] = 0;
+        }
     }
-    if (tid < TM) seq_i[tid] = (has_seq && tid < rows_i) ? seq_row[t0 + i0 + tid] : 0;
 
     const int NK = ((dstate + 7) / 8) * 8;
     const int nslab = (c > 0 || has_initial_states) ? (dstate + 31) / 32 : 0;
