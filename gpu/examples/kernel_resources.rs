@@ -133,3 +133,45 @@ fn main() -> ExitCode {
     }
     ExitCode::SUCCESS
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_ptxas_verbose_output() {
+        let log = "\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'ssd_a' for 'sm_90a'
+ptxas info    : Function properties for ssd_a
+    56 bytes stack frame, 48 bytes spill stores, 52 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 56 bytes cumulative stack size
+ptxas info    : Compiling entry function 'ssd_b' for 'sm_90a'
+ptxas info    : Function properties for ssd_b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers
+";
+        let k = parse(log);
+        assert_eq!(k.len(), 2);
+        assert_eq!(
+            (
+                &*k[0].name,
+                k[0].registers,
+                k[0].stack,
+                k[0].spill_stores,
+                k[0].spill_loads
+            ),
+            ("ssd_a", Some(128), Some(56), Some(48), Some(52))
+        );
+        assert_eq!(
+            (
+                &*k[1].name,
+                k[1].registers,
+                k[1].stack,
+                k[1].spill_stores,
+                k[1].spill_loads
+            ),
+            ("ssd_b", Some(96), Some(0), Some(0), Some(0))
+        );
+    }
+}

@@ -94,6 +94,8 @@ __device__ __forceinline__ void compute_out_pair_body(
     }
     {
         // cs_i of both units and seq_i join step 0's copies (zeros past the chunk's end).
+        // Written out in both pair kernels: as one shared helper it moved ptxas's register
+        // allocation (bf16: 16 -> 32 or 40 bytes of spills, version 39 in docs/perf-history.md).
         static_assert(NT == 2 * TM, "one cs_i entry per thread");
         const int u = tid / TM, rr = tid & (TM - 1);
         cp_async4(&cs_i[tid], dA_cumsum + (u ? cb_1 : cb_0) + i0 + rr, rr < rows_i, dA_cumsum);
