@@ -356,6 +356,66 @@ __device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsign
     }
 }
 
+// async_rows_bf16 for a ROWS x 64 block of bf16 into unpadded 128-byte rows, XOR-swizzled:
+// the 16-byte piece k of row r lands at piece k ^ (r & 7), so that the eight rows of an
+// ldmatrix hit distinct banks without padding (read by mma_slab_2xn_bf16_swz). Zeros where
+// r >= rows_valid or a piece's columns reach cols_valid (a multiple of 8).
+template <int ROWS, int NT>
+__device__ __forceinline__ void async_rows_bf16_swz64(bf16_t* dst, const bf16_t* __restrict__ src,
+                                                      unsigned src_stride, int rows_valid, int cols_valid, int tid) {
+    constexpr int STEP = NT / 8;  // rows per pass: a multiple of 8, so r & 7 is the same in every pass
+    static_assert(NT % 8 == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "the threads must tile the block");
+    const int r0 = tid / 8, k0 = tid % 8;
+    const unsigned d = smem_addr(dst) + (unsigned)(r0 * 128 + ((k0 ^ (r0 & 7)) << 4));
+    const float* s = reinterpret_cast<const float*>(src) + ((unsigned)r0 * src_stride + (unsigned)k0 * 8u) / 2u;
+    const unsigned step = (unsigned)STEP * src_stride / 2u;  // floats
+    if (rows_valid >= ROWS && cols_valid >= 64) {
+#pragma unroll
+        for (int k = 0; k < ROWS / STEP; ++k) cp_async16_all(d + (unsigned)(k * STEP * 128), s + (unsigned)k * step);
+    } else {
+        float* dp = reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + (r0 * 128 + ((k0 ^ (r0 & 7)) << 4)));
+        const float* fb = reinterpret_cast<const float*>(src);
+#pragma unroll
+        for (int k = 0; k < ROWS / STEP; ++k) {
+            const bool ok = r0 + k * STEP < rows_valid && k0 * 8 < cols_valid;
+            cp_async16(dp + k * STEP * 32, ok ? s + (unsigned)k * step : fb, ok, fb);
+        }
+    }
+}
+
+// mma_slab_2xn_bf16 over a 64-wide k slab whose B tile is unpadded and swizzled as
+// async_rows_bf16_swz64 leaves it (rows of 64 bf16); A at a_stride elements as there.
+template <int NF>
+__device__ __forceinline__ void mma_slab_2xn_bf16_swz(float (&acc)[2][NF][4], unsigned a_s, unsigned b_s,
+                                                      int a_stride, int a_row, int b_row, int lane, int a_gap = 16) {
+    static_assert(NF % 2 == 0, "pairs of 8-column fragments");
+    const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * a_stride + (lane >> 4) * 8;
+    // Row b_row + 16 np + (lane & 7) + 8 (lane >> 4) of B: its swizzle is lane & 7 (b_row is a
+    // multiple of 8). Piece kk / 8 + ((lane >> 3) & 1) lands at that piece ^ (lane & 7).
+    const unsigned b_base = b_s + (unsigned)((b_row + (lane & 7) + (lane >> 4) * 8) * 128);
+    const int b_sw = ((lane >> 3) & 1) ^ (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < 64; kk += 16) {
+        unsigned a[2][4], bf[NF][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * a_gap) * a_stride + kk + a_off) * 2u);
+#pragma unroll
+        for (int np = 0; np < NF / 2; ++np) {
+            unsigned r4[4];
+            ldmatrix_x4(r4, b_base + (unsigned)(np * 16 * 128) + (unsigned)(((kk >> 3) ^ b_sw) << 4));
+            bf[2 * np][0] = r4[0];
+            bf[2 * np][1] = r4[1];
+            bf[2 * np + 1][0] = r4[2];
+            bf[2 * np + 1][1] = r4[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
+    }
+}
+
 // B fragments of 8 NF columns (n = n0 .. n0 + 8 NF - 1) for rows k = kk .. kk + 15 of a bf16
 // tile stored k-major ([k][n], stride in elements, a multiple of 8), through ldmatrix.trans.
 template <int NF>

@@ -94,9 +94,10 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 // columns the causal mask gives the lower rows more steps, and every warp holds one group of
 // each end. A warp skips the 16-column halves of a step that lie wholly right of a group's
 // last row. Its steps flow through a 3-stage cp.async ring, one barrier per step:
-//   steps over dstate, 32 wide (only when the carried state is not 0): C[i, n0:n0+32] (bf16,
-//     128 rows) and bf16(S_u)[p, n0:n0+32] (states_lo) of both units; acc += C bf16(S_u)^T,
-//     both operands' fragments through ldmatrix;
+//   steps over dstate, 64 wide (only when the carried state is not 0): C[i, n0:n0+64] (bf16,
+//     128 rows) and bf16(S_u)[p, n0:n0+64] (states_lo) of both units; acc += C bf16(S_u)^T,
+//     both operands' fragments through ldmatrix (the same k order as 32-wide steps: the same
+//     bits);
 //   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
 //   steps over 32 of the chunk's columns up to the block's last row: the f32 scores of the
 //     block's rows, x_u[j, p] (bf16) of both units, cs_j, dt'_j of both heads, seq_j. Each warp
@@ -107,12 +108,13 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 // first step).
 // Epilogue: z gate (z bf16), out written as bf16 pairs, rounded to nearest even.
 // Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
-// mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the
-// bf16 tiles rows of 16-byte pieces whose eight rows of an ldmatrix hit distinct banks (80 and
-// 272 bytes).
+// mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the C
+// and x tiles rows of 16-byte pieces whose eight rows of an ldmatrix hit distinct banks (144
+// and 272 bytes); the S slabs unpadded 128-byte rows, XOR-swizzled (async_rows_bf16_swz64):
+// padded, a stage would take 38.9 KB and three would not fit two blocks per SM.
 #define COH_A 40   // scores row stride (floats)
-#define COH_N 32   // dstate columns per slab step
-#define COH_C 40   // C and S slab row stride (bf16)
+#define COH_N 64   // dstate columns per slab step
+#define COH_C 72   // C slab row stride (bf16)
 #define COH_X 136  // x row stride (bf16): unit u at column 64 u
 struct ComputeOutPairBf16Smem {
     struct Stage {
@@ -121,7 +123,7 @@ struct ComputeOutPairBf16Smem {
             bf16_t c[128][COH_C];
         } a;
         union {
-            bf16_t s[2][64][COH_C];  // the bf16 S slabs of both units
+            bf16_t s[2][64][COH_N];  // the bf16 S slabs of both units, unpadded, swizzled
             struct {
                 bf16_t x[32][COH_X];
                 float cs_j[2][32], dt_j[2][32];
@@ -134,6 +136,7 @@ struct ComputeOutPairBf16Smem {
     const void* base[12];  // the block's 11 base addresses
 };
 static_assert(sizeof(ComputeOutPairBf16Smem::Stage) % 16 == 0, "16-byte aligned stages");
+static_assert(COH_N == 64, "the S slabs' swizzle spans rows of 64 bf16 (async_rows_bf16_swz64)");
 static_assert(2 * (sizeof(ComputeOutPairBf16Smem) + 1024) <= 228 * 1024, "two blocks per Hopper SM");
 
 // The parameters of ssd_compute_out_pair_bf16 (Rust: ComputeOutCbParams, as the f32 kernels').
@@ -228,10 +231,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             const int n0 = s * COH_N;
             async_rows_bf16<TM, COH_N, NT>(&st.a.c[0][0], COH_C, (const bf16_t*)ptab[4] + n0, tok_stride_b, rows_i,
                                            p.dstate - n0, tid);
-            async_rows_bf16<64, COH_N, NT>(&st.b.s[0][0][0], COH_C, (const bf16_t*)ptab[2] + n0, p.dstate, cols_0,
-                                           p.dstate - n0, tid);
-            async_rows_bf16<64, COH_N, NT>(&st.b.s[1][0][0], COH_C, (const bf16_t*)ptab[3] + n0, p.dstate, cols_1,
-                                           p.dstate - n0, tid);
+            async_rows_bf16_swz64<64, NT>(&st.b.s[0][0][0], (const bf16_t*)ptab[2] + n0, p.dstate, cols_0,
+                                          p.dstate - n0, tid);
+            async_rows_bf16_swz64<64, NT>(&st.b.s[1][0][0], (const bf16_t*)ptab[3] + n0, p.dstate, cols_1,
+                                          p.dstate - n0, tid);
         } else {
             const int j0 = (s - nslab) * 32;
             const int jt = j0 >> 6;
@@ -293,9 +296,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
         const ComputeOutPairBf16Smem::Stage& st = sm.stage[s % 3];
         if (s < nslab) {
-            // acc += C bf16(S_u)^T over 32 dstate columns (zeros past dstate in both).
-            mma_slab_2xn_bf16(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, rb0, wn * 64,
-                              COH_N, lane, rb1 - rb0);
+            // acc += C bf16(S_u)^T over 64 dstate columns (zeros past dstate in both).
+            mma_slab_2xn_bf16_swz(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, rb0, wn * 64,
+                                  lane, rb1 - rb0);
             continue;
         }
         const int j0 = (s - nslab) * 32;
