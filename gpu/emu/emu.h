@@ -29,6 +29,7 @@ using std::min; using std::max;
 struct dim3e { unsigned x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct int4 { int x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
@@ -147,4 +148,9 @@ inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline unsigned long long l2_evict_first() { return 0; }
 inline void cp_async16_hint(float* dst, const float* src, bool valid, const float* f, unsigned long long) { cp_async16(dst, src, valid, f); }
 inline void st_hint_b32(void* p, unsigned v, unsigned long long) { std::memcpy(p, &v, 4); }
+inline void st_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+    const unsigned v[4] = {a, b, c, d};
+    std::memcpy(p, v, 16);
+}
+inline void st_hint_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d, unsigned long long) { st_v4(p, a, b, c, d); }
 inline void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long) { cp_async16_all(dst, src); }

@@ -97,6 +97,16 @@ __device__ __forceinline__ void cp_async16_all_hint(unsigned dst, const float* s
 __device__ __forceinline__ void st_hint_b32(void* p, unsigned v, unsigned long long pol) {
     asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(p), "r"(v), "l"(pol) : "memory");
 }
+// 16-byte stores of four 32-bit words (p 16-byte aligned): plain, and with an L2 policy.
+__device__ __forceinline__ void st_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void st_hint_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d,
+                                           unsigned long long pol) {
+    asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(p), "r"(a), "r"(b), "r"(c),
+                 "r"(d), "l"(pol)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most N of this thread's committed groups are still pending; the completed

@@ -204,13 +204,40 @@ __device__ __forceinline__ void chain_hand_off(float (&acc)[2][8][4], const floa
     }
     if (c + 1 >= nchunks) return;
     bf16_t* lo_next = lo_c + next;
-    each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int, i64 row, int nc) {
-        const unsigned v = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
-        if (keep)
-            *reinterpret_cast<unsigned*>(lo_next + row + nc) = v;
-        else
-            st_hint_b32(lo_next + row + nc, v, pol);
+    if (!rows16) {
+        each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int, i64 row, int nc) {
+            const unsigned v = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
+            if (keep)
+                *reinterpret_cast<unsigned*>(lo_next + row + nc) = v;
+            else
+                st_hint_b32(lo_next + row + nc, v, pol);
+        });
+        return;
+    }
+    // rows16 (the bf16 kernel, whose accumulator rows are in order: sr is the unit's row): the
+    // copy staged through shared memory, over S_c's stage (dead since the release barrier but
+    // for S_0 above), then stored 16 bytes at a time. The unit's tile [64][CHAIN_S] bf16: the
+    // pairs' 4-byte writes of a warp hit 32 distinct banks (row stride 68 words), the 16-byte
+    // reads of 8 threads one row's 128 contiguous bytes.
+    bf16_t* lo_s = reinterpret_cast<bf16_t*>(stage_raw) + (warp >> 2) * 64 * CHAIN_S;
+    if (!keep && c == 0) __syncthreads();  // S_0 is read out of the stage (block-uniform)
+    each_state_pair<rows16>(rows_p, cols_n, p0, dstate, [&](int mi, int hf, int nf, int sr, i64, int nc) {
+        *reinterpret_cast<unsigned*>(lo_s + sr * CHAIN_S + nc) = pack_bf16x2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
     });
+    __syncthreads();  // the unit's tile is whole
+    const int t = tid & 127;
+    bf16_t* lo_u = lo_next + (i64)p0 * dstate;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int piece = t + 128 * k;  // 64 rows of 16 pieces of 8 bf16
+        const int pr = piece >> 4, nc = (piece & 15) * 8;
+        if (pr >= rows_p || nc >= cols_n) continue;  // cols_n (dstate) is a multiple of 8
+        const uint4 v = *reinterpret_cast<const uint4*>(lo_s + pr * CHAIN_S + nc);
+        if (keep)
+            st_v4(lo_u + (i64)pr * dstate + nc, v.x, v.y, v.z, v.w);
+        else
+            st_hint_v4(lo_u + (i64)pr * dstate + nc, v.x, v.y, v.z, v.w, pol);
+    }
 }
 
 // The block's (b, pair, c) from its ticket, chunk-major; the chain's flags.
