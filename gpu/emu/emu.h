@@ -137,6 +137,7 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
     __syncwarp();
 }
 inline float ex2_approx(float v) { return exp2f(v); }
+inline int tid_fresh() { return (int)threadIdx.x; }
 // The chained stage 2's hand-off: blocks run one after the other here, in launch order, so a
 // flag a block waits for was set by an earlier block; the atomics keep the host threads honest.
 inline int ld_acquire_gpu(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }

@@ -107,6 +107,14 @@ __device__ __forceinline__ void st_hint_v4(void* p, unsigned a, unsigned b, unsi
                  "r"(d), "l"(pol)
                  : "memory");
 }
+// threadIdx.x read afresh (a volatile read of %tid.x that the compiler cannot hoist): for
+// per-thread copy offsets recomputed at each step, where the hoisted values would be held in
+// registers across a loop and spill (the pair output kernels at 128 registers).
+__device__ __forceinline__ int tid_fresh() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most N of this thread's committed groups are still pending; the completed

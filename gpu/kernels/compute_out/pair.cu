@@ -116,6 +116,7 @@ __device__ __forceinline__ void compute_out_pair_body(
     const float R = split ? dA_cumsum[(wn ? cb_1 : cb_0) + i0 - 1] * LOG2E_F : 0.0f;
 
     auto issue = [&](int s) {
+        const int tid = tid_fresh();  // the copy offsets recomputed here, not held across the loop
         float* ta = smem + (s % 3) * CP_STAGE;
         float* tb = ta + TM * CP_A;
         if (s < nslab) {
