@@ -13,7 +13,8 @@
 # Where the chained stage 2 applies (pair 2a shapes, dstate <= 128) its kernels give pair 2a and
 # the pass's chunk and final states bit for bit, in f32 and bf16, and in bf16 the same bf16 copy
 # of the states as the pass, which must be chunk_states rounded to nearest even; in bf16 also
-# without chunk_states (outputs that do not keep it): the same bf16 copy and final states.
+# without chunk_states (outputs that do not keep it): the same bf16 copy and final states, from
+# the chained kernels and from the pass (2b).
 # The kernel sources are compiled as they are (gpu/emu/kernels.h), emu.h standing in for
 # kernels/ptx.cuh. Needs g++ with C++20. Slow (threads): keep the problems small.
 set -euo pipefail

@@ -75,7 +75,7 @@ size_t packed_path(const std::vector<int>& cu, const std::vector<int>& seq, cons
     launch({(unsigned)(nc * ptiles * ntiles * H), 1, 1}, 128, ssd_chunk_state_local_layout.smem[0], [&] {
         ssd_chunk_state_local({x.data(), Bm.data(), dto.data(), dac.data(), seq.data(), cst2.data(), L, H, P, G, N, Q, nc}); });
     launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, 1}, 256, 0, [&] {
-        ssd_state_passing({dac.data(), nullptr, seq.data(), cst2.data(), fin2.data(), L, H, P, N, Q, nc, vec4, sinit.data(), chunk_init.data()}); });
+        ssd_state_passing({dac.data(), nullptr, seq.data(), cst2.data(), fin2.data(), L, H, P, N, Q, nc, vec4, 0, sinit.data(), chunk_init.data()}); });
     launch({(unsigned)(ptiles * ntiles), (unsigned)H, 1}, 128, 0, [&] {
         ssd_fwd_pass_state({x.data(), Bm.data(), dto.data(), dac.data(), nullptr, seq.data(), cst1.data(), fin1.data(), L, H, P, G, N, Q, nc, sinit.data(), chunk_init.data()}); });
     // Stage 3 (version 1's kernel), then the initial states' share of out.
@@ -313,8 +313,21 @@ int main(int argc, char** argv) {
         std::vector<unsigned short> outh(nx, 0xffff), loH(nst, 0xffff);
         launch({(unsigned)(nc * ((N + 127) / 128) * (H * ptiles / 2)), 1, (unsigned)B}, 256, ssd_chunk_state_local_pair_bf16_layout.smem[0], [&] {
             ssd_chunk_state_local_pair_bf16({xh.data(), bh.data(), dto.data(), dac.data(), seqp, cstH.data(), L, H, P, G, N, Q, nc}); });
+        std::vector<float> cstHL = cstH, finHL(nfs, NAN);  // 2a's own states, for the lean pass below
+        std::vector<unsigned short> loHL(nst, 0xffff);
         launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
-            ssd_state_passing({dac.data(), initp, seqp, cstH.data(), finH.data(), L, H, P, N, Q, nc, vec4, nullptr, nullptr, loH.data()}); });
+            ssd_state_passing({dac.data(), initp, seqp, cstH.data(), finH.data(), L, H, P, N, Q, nc, vec4, 0, nullptr, nullptr, loH.data()}); });
+        // The lean pass (chunk_states not kept): the same bf16 copy and final states, and
+        // chunk_states left as 2a wrote it.
+        launch({(unsigned)((P * N + (vec4 ? 1023 : 255)) / (vec4 ? 1024 : 256)), (unsigned)H, (unsigned)B}, 256, 0, [&] {
+            ssd_state_passing({dac.data(), initp, seqp, cstHL.data(), finHL.data(), L, H, P, N, Q, nc, vec4, 1, nullptr, nullptr, loHL.data()}); });
+        {
+            size_t bad = 0;
+            for (size_t i = 0; i < nst; ++i) bad += loHL[i] != loH[i];
+            for (size_t i = 0; i < (size_t)nfs; ++i) bad += std::memcmp(&finHL[i], &finH[i], 4) != 0;
+            printf("bf16 lean 2b vs 2b (states_lo, final_states): %zu differ\n", bad);
+            nans += bad;
+        }
         size_t lo_bad = 0;  // the pass's bf16 copy: chunk_states rounded to nearest even
         for (size_t i = 0; i < nst; ++i) lo_bad += loH[i] != (unsigned short)emu_bf16_rne(cstH[i]);
         printf("bf16 states_lo mismatches (2b): %zu\n", lo_bad);

@@ -156,6 +156,9 @@ impl Gpu {
                 chunk_size: int(o.chunk_size),
                 nchunks: int(nchunks),
                 vec4: i32::from(vec4),
+                // The bf16 output kernel reads `states_lo`: `chunk_states` is written only
+                // where the outputs keep it (2a's own states stay there, unspecified).
+                lean: i32::from(T::BF16 && !outputs.keep_chunk_states),
                 seq_init: seq.map_or(0, |(s, _)| args.read(s)),
                 chunk_init: seq.map_or(0, |(_, c)| args.read(c)),
                 states_lo: outputs.states_lo.as_mut().map_or(0, |s| args.write(s)),

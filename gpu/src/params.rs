@@ -106,6 +106,9 @@ pub(crate) struct StatePassingParams {
     pub chunk_size: i32,
     pub nchunks: i32,
     pub vec4: i32,
+    /// 1: `chunk_states` is not written (bf16 outputs that do not keep it: `states_lo` is
+    /// written, and `chunk_states` keeps each chunk's own state as 2a left it); else 0.
+    pub lean: i32,
     /// Packed sequences (batch 1): `[nseq, nheads, headdim, dstate]`, or 0.
     pub seq_init: u64,
     /// `[nchunks, 2]` `(k or -1, first token of k in the chunk)`, or 0.

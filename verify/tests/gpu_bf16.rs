@@ -142,6 +142,49 @@ fn gpu_bf16_is_bitwise_reproducible() {
     assert_reproducible(&gpus, &specs, Io::Bf16);
 }
 
+/// Outputs that do not keep `chunk_states` (`set_keep_chunk_states(false)`) get the same
+/// `out`, final states and dA_cumsum, bit for bit, under every variant, on both stage 2 paths:
+/// the chained kernel, and 2a + 2b, whose pass then writes the states' bf16 copy alone (dstate
+/// 256 and few chains below, and the bf16 kernel shapes that the chained kernel does not take).
+#[test]
+fn gpu_bf16_lean_outputs_match_kept() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_lean_outputs_match_kept") else {
+        return;
+    };
+    let mut rng = SpecRng::new(79);
+    let mut specs: Vec<ProblemSpec> = (0..8).map(|_| bf16_kernel_spec(&mut rng)).collect();
+    specs.push(ProblemSpec::full(Dims::new(1, 700, 4, 64, 1, 256), 128));
+    specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
+    let mut staged = 0;
+    for (spec, seed) in specs.iter().zip(700..) {
+        let (p32, _) = Io::Bf16.problems(&random_problem(spec, seed).expect("valid spec"));
+        for (variant, gpu) in &gpus {
+            if *variant == gpus[0].0
+                && gpu.runs_bf16(&spec.dims, &spec.options)
+                && !gpu.uses_chained(&spec.dims, &spec.options)
+            {
+                staged += 1;
+            }
+            let kept = bits(&Io::Bf16.forward(gpu, &p32).expect("GPU forward"));
+            let lean = Io::Bf16
+                .forward_lean_bits(gpu, &p32)
+                .expect("GPU forward, chunk_states not kept");
+            assert!(
+                lean[..] == kept[..lean.len()],
+                "bf16 outputs change when chunk_states is not kept ({variant:?}) on {}",
+                describe(spec, seed)
+            );
+        }
+    }
+    // dstate 256 always takes 2a + 2b on the bf16 kernels.
+    assert!(staged > 0, "no case reached 2a + 2b on the bf16 kernels");
+    println!(
+        "bf16 lean outputs: {} cases under {} variants bitwise equal with and without chunk_states kept, {staged} on 2a + 2b",
+        specs.len(),
+        gpus.len()
+    );
+}
+
 #[test]
 fn gpu_bf16_out_holds_bf16_values_and_refusals_are_clean() {
     let Some(gpus) = gpus_or_skip("gpu_bf16_out_holds_bf16_values_and_refusals_are_clean") else {

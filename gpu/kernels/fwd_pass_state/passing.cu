@@ -12,6 +12,8 @@
 //   L_c <- fma(exp(cs[last_c] - cs[s - 1]), seq_init[k, h], L_c)  (cs[-1] = 0),  scale_c = 0.
 // With bf16 activations the pass also writes states_lo[b, c, h] = bf16(S_c) (to nearest even):
 // the operand the bf16 output kernel's product takes (bf16.cu), read there in half the bytes.
+// With `lean` (bf16 outputs that do not keep chunk_states) it writes states_lo only: chunk_states
+// keeps L_c (unspecified for the caller), a third of the pass's bytes fewer.
 #define SP_THREADS 256
 #define SP_UNROLL 8
 template <int V>
@@ -34,7 +36,7 @@ __device__ __forceinline__ void state_passing_body(
     const float* __restrict__ dA_cumsum, const float* __restrict__ initial_states, const int* __restrict__ seq_idx,
     float* __restrict__ chunk_states, float* __restrict__ final_states, int seqlen, int nheads, int headdim,
     int dstate, int chunk_size, int nchunks, const float* __restrict__ seq_init, const int* __restrict__ chunk_init,
-    bf16_t* __restrict__ states_lo)
+    bf16_t* __restrict__ states_lo, bool lean)
 {
     typedef typename vecf<V>::T T;
     const i64 n = (i64)headdim * dstate;
@@ -90,7 +92,7 @@ __device__ __forceinline__ void state_passing_body(
         for (int k = 0; k < SP_UNROLL; ++k) {
             const int c = c0 + k;
             if (c < nchunks) {
-                *reinterpret_cast<T*>(p + (i64)c * cstride) = run;
+                if (!lean) *reinterpret_cast<T*>(p + (i64)c * cstride) = run;
                 if (lo != nullptr) store_lo(lo + (i64)c * cstride, run);
                 run = vfma(sc[k], run, own[k]);
             }
@@ -108,6 +110,7 @@ struct StatePassingParams {
     float* final_states;          // [batch, nheads, headdim, dstate]
     int seqlen, nheads, headdim, dstate, chunk_size, nchunks;
     int vec4;  // 1: 4 elements per thread (headdim * dstate a multiple of 4)
+    int lean;  // 1: chunk_states not written (states_lo given, the outputs do not keep it)
     const float* seq_init;        // [nseq, nheads, headdim, dstate] or null (packed, batch 1)
     const int* chunk_init;        // [nchunks, 2]: (k or -1, first token of k in the chunk) or null
     bf16_t* states_lo;            // [batch, nchunks, nheads, headdim, dstate] or null
@@ -117,9 +120,11 @@ static_assert(sizeof(StatePassingParams) == 96, "StatePassingParams: the Rust st
 extern "C" __global__ void __launch_bounds__(SP_THREADS) ssd_state_passing(const StatePassingParams p) {
     if (p.vec4)
         state_passing_body<4>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo,
+                              p.lean != 0 && p.states_lo != nullptr);
     else
         state_passing_body<1>(p.dA_cumsum, p.initial_states, p.seq_idx, p.chunk_states, p.final_states, p.seqlen,
-                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo);
+                              p.nheads, p.headdim, p.dstate, p.chunk_size, p.nchunks, p.seq_init, p.chunk_init, p.states_lo,
+                              p.lean != 0 && p.states_lo != nullptr);
 }
 SSD_LAYOUT_FIXED(ssd_state_passing, StatePassingParams, 0);
