@@ -326,6 +326,30 @@ __device__ __forceinline__ void async_rows_bf16(bf16_t* dst, int dst_stride, con
                                           cols_valid / 2, tid);
 }
 
+// One 16-deep k step of the bf16 slab products below: A's two 16-row groups by ldmatrix at
+// the shared addresses a_addr(0) and a_addr(1) (bytes), B's NF / 2 pairs of 8-column fragments
+// at b_addr(np); acc[mi][nf] += A_mi B_nf^T.
+template <int NF, class AAddr, class BAddr>
+__device__ __forceinline__ void mma_k16_2xn_bf16(float (&acc)[2][NF][4], AAddr a_addr, BAddr b_addr) {
+    static_assert(NF % 2 == 0, "pairs of 8-column fragments");
+    unsigned a[2][4], bf[NF][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], a_addr(mi));
+#pragma unroll
+    for (int np = 0; np < NF / 2; ++np) {
+        unsigned r4[4];
+        ldmatrix_x4(r4, b_addr(np));
+        bf[2 * np][0] = r4[0];
+        bf[2 * np][1] = r4[1];
+        bf[2 * np + 1][0] = r4[2];
+        bf[2 * np + 1][1] = r4[3];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
+}
+
 // acc += A B^T for one warp's 32 x (8 NF) part as mma_slab_2xn, over bf16 tiles (strides in
 // elements, multiples of 8, rows 16-byte aligned; kend a multiple of 16): A stored row-major
 // ([row][k], shared address a_s in bytes), B stored n-major ([n][k], b_s); bf16 products. The
@@ -335,25 +359,10 @@ __device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsign
                                                   int a_row, int b_row, int kend, int lane, int a_gap = 16) {
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8;
     const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8;
-    for (int kk = 0; kk < kend; kk += 16) {
-        unsigned a[2][4], bf[NF][2];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * a_gap) * stride + kk + a_off) * 2u);
-#pragma unroll
-        for (int np = 0; np < NF / 2; ++np) {
-            unsigned r4[4];
-            ldmatrix_x4(r4, b_s + (unsigned)((b_row + np * 16) * stride + kk + b_off) * 2u);
-            bf[2 * np][0] = r4[0];
-            bf[2 * np][1] = r4[1];
-            bf[2 * np + 1][0] = r4[2];
-            bf[2 * np + 1][1] = r4[3];
-        }
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
-    }
+    for (int kk = 0; kk < kend; kk += 16)
+        mma_k16_2xn_bf16(
+            acc, [&](int mi) { return a_s + (unsigned)((a_row + mi * a_gap) * stride + kk + a_off) * 2u; },
+            [&](int np) { return b_s + (unsigned)((b_row + np * 16) * stride + kk + b_off) * 2u; });
 }
 
 // async_rows_bf16 for a ROWS x 64 block of bf16 into unpadded 128-byte rows, XOR-swizzled:
@@ -388,32 +397,16 @@ __device__ __forceinline__ void async_rows_bf16_swz64(bf16_t* dst, const bf16_t*
 template <int NF>
 __device__ __forceinline__ void mma_slab_2xn_bf16_swz(float (&acc)[2][NF][4], unsigned a_s, unsigned b_s,
                                                       int a_stride, int a_row, int b_row, int lane, int a_gap = 16) {
-    static_assert(NF % 2 == 0, "pairs of 8-column fragments");
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * a_stride + (lane >> 4) * 8;
     // Row b_row + 16 np + (lane & 7) + 8 (lane >> 4) of B: its swizzle is lane & 7 (b_row is a
     // multiple of 8). Piece kk / 8 + ((lane >> 3) & 1) lands at that piece ^ (lane & 7).
     const unsigned b_base = b_s + (unsigned)((b_row + (lane & 7) + (lane >> 4) * 8) * 128);
     const int b_sw = ((lane >> 3) & 1) ^ (lane & 7);
 #pragma unroll
-    for (int kk = 0; kk < 64; kk += 16) {
-        unsigned a[2][4], bf[NF][2];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-            ldmatrix_x4(a[mi], a_s + (unsigned)((a_row + mi * a_gap) * a_stride + kk + a_off) * 2u);
-#pragma unroll
-        for (int np = 0; np < NF / 2; ++np) {
-            unsigned r4[4];
-            ldmatrix_x4(r4, b_base + (unsigned)(np * 16 * 128) + (unsigned)(((kk >> 3) ^ b_sw) << 4));
-            bf[2 * np][0] = r4[0];
-            bf[2 * np][1] = r4[1];
-            bf[2 * np + 1][0] = r4[2];
-            bf[2 * np + 1][1] = r4[3];
-        }
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
-    }
+    for (int kk = 0; kk < 64; kk += 16)
+        mma_k16_2xn_bf16(
+            acc, [&](int mi) { return a_s + (unsigned)((a_row + mi * a_gap) * a_stride + kk + a_off) * 2u; },
+            [&](int np) { return b_base + (unsigned)(np * 16 * 128) + (unsigned)(((kk >> 3) ^ b_sw) << 4); });
 }
 
 // B fragments of 8 NF columns (n = n0 .. n0 + 8 NF - 1) for rows k = kk .. kk + 15 of a bf16
