@@ -88,7 +88,7 @@ __device__ __forceinline__ void compute_out_cb_body(
 
     // Starts the copies of step s into buffer s & 1.
     auto issue = [&](int s) {
-        const int tid = tid_fresh();
+        const int tid = tid_fresh();  // the copy offsets recomputed here, not held across the loop
         float* ta = smem + (s & 1) * BUF;
         float* tb = ta + TM * CO2_A;
         if (s < nslab) {
