@@ -93,26 +93,31 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 // 16 (w / 2) and 16 (7 - w / 2) on), a 32 x 64 output tile. Balanced so: along the block's own
 // columns the causal mask gives the lower rows more steps, and every warp holds one group of
 // each end. A warp skips the 16-column halves of a step that lie wholly right of a group's
-// last row. Its steps flow through a 3-stage cp.async ring, one barrier per step:
+// last row. Its steps flow through a 2-stage cp.async ring, one barrier per step:
 //   steps over dstate, 64 wide (only when the carried state is not 0): C[i, n0:n0+64] (bf16,
 //     128 rows) and bf16(S_u)[p, n0:n0+64] (states_lo) of both units; acc += C bf16(S_u)^T,
 //     both operands' fragments through ldmatrix (the same k order as 32-wide steps: the same
 //     bits);
 //   then acc *= exp(cs_i) (0 where seq(i) differs from the seq before the chunk);
-//   steps over 32 of the chunk's columns up to the block's last row: the f32 scores of the
-//     block's rows, x_u[j, p] (bf16) of both units, cs_j, dt'_j of both heads, seq_j. Each warp
-//     builds its A fragments from f32 pairs of scores, decays them as pair.cu does (the split
-//     row and column factors left of the block without seq_idx) and rounds them to bf16; x's
-//     fragments come through ldmatrix.trans. The D term is added at the step of each group's rows.
+//   steps over 64 of the chunk's columns up to the block's last row, each computed as two
+//     32-column halves: the f32 scores of the block's rows, x_u[j, p] (bf16) of both units,
+//     cs_j, dt'_j of both heads, seq_j. Each warp builds its A fragments from f32 pairs of
+//     scores, decays them as pair.cu does (the split row and column factors left of the block
+//     without seq_idx) and rounds them to bf16; x's fragments come through ldmatrix.trans. The D
+//     term is added at the half holding each group's rows.
+// One 64-column step with two stages in flight replaces two 32-column steps with three: the same
+// bytes ahead of the products, half the barriers, waits and copy set-ups per column (version 42
+// in docs/perf-history.md).
 // cs_i and seq_i of the block's rows come with step 0's copies (one round trip fewer before the
 // first step).
 // Epilogue: z gate (z bf16), out written as bf16 pairs, rounded to nearest even.
 // Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
-// mod 32 floats (40), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the C
+// mod 32 floats (72), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the C
 // and x tiles rows of 16-byte pieces whose eight rows of an ldmatrix hit distinct banks (144
 // and 272 bytes); the S slabs unpadded 128-byte rows, XOR-swizzled (async_rows_bf16_swz64):
-// padded, a stage would take 38.9 KB and three would not fit two blocks per SM.
-#define COH_A 40   // scores row stride (floats)
+// padded, the two stages would not fit two blocks per SM.
+#define COH_J 64   // chunk columns per score step
+#define COH_A 72   // scores row stride (floats)
 #define COH_N 64   // dstate columns per slab step
 #define COH_C 72   // C slab row stride (bf16)
 #define COH_X 136  // x row stride (bf16): unit u at column 64 u
@@ -125,18 +130,19 @@ struct ComputeOutPairBf16Smem {
         union {
             bf16_t s[2][64][COH_N];  // the bf16 S slabs of both units, unpadded, swizzled
             struct {
-                bf16_t x[32][COH_X];
-                float cs_j[2][32], dt_j[2][32];
-                int seq_j[32];
+                bf16_t x[COH_J][COH_X];
+                float cs_j[2][COH_J], dt_j[2][COH_J];
+                int seq_j[COH_J];
             } x;
         } b;
-    } stage[3];
+    } stage[2];
     float cs_i[2][128];
     int seq_i[128];
     const void* base[12];  // the block's 11 base addresses
 };
 static_assert(sizeof(ComputeOutPairBf16Smem::Stage) % 16 == 0, "16-byte aligned stages");
 static_assert(COH_N == 64, "the S slabs' swizzle spans rows of 64 bf16 (async_rows_bf16_swz64)");
+static_assert(COH_J == 64 && COH_A % 32 == 8, "64-column score steps, one 64-column score tile each; bank-free rows");
 static_assert(2 * (sizeof(ComputeOutPairBf16Smem) + 1024) <= 228 * 1024, "two blocks per Hopper SM");
 
 // The parameters of ssd_compute_out_pair_bf16 (Rust: ComputeOutCbParams, as the f32 kernels').
@@ -219,14 +225,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
     }
 
     const int nslab = (c > 0 || p.has_initial_states) ? (p.dstate + COH_N - 1) / COH_N : 0;
-    const int nsteps = nslab + (min(i0 + TM, valid_c) + 31) / 32;
+    const int nsteps = nslab + (min(i0 + TM, valid_c) + COH_J - 1) / COH_J;
     const bool split = !has_seq && i0 > 0;
     // This warp's unit.
     const int h = wn ? h_1 : h_0, p0 = wn ? p_1 : p_0, cols_p = wn ? cols_1 : cols_0;
     const float R = split ? p.dA_cumsum[(wn ? cb_1 : cb_0) + i0 - 1] * LOG2E_F : 0.0f;
 
     auto issue = [&](int s) {
-        ComputeOutPairBf16Smem::Stage& st = sm.stage[s % 3];
+        ComputeOutPairBf16Smem::Stage& st = sm.stage[s & 1];
         if (s < nslab) {
             const int n0 = s * COH_N;
             async_rows_bf16<TM, COH_N, NT>(&st.a.c[0][0], COH_C, (const bf16_t*)ptab[4] + n0, tok_stride_b, rows_i,
@@ -236,28 +242,28 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             async_rows_bf16_swz64<64, NT>(&st.b.s[1][0][0], (const bf16_t*)ptab[3] + n0, p.dstate, cols_1,
                                           p.dstate - n0, tid);
         } else {
-            const int j0 = (s - nslab) * 32;
+            const int j0 = (s - nslab) * COH_J;
             const int jt = j0 >> 6;
-            const int rows_j = min(32, valid_c - j0);
+            const int rows_j = min(COH_J, valid_c - j0);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int rt = t64 + hh;
                 if (jt <= rt && hh * 64 < rows_i)
-                    async_rows<64, 32, NT>(&st.a.scores[hh * 64][0], COH_A,
-                                           (const float*)ptab[5] + (rt * (rt + 1) / 2 + jt) * 4096 + (j0 & 63), 64, 64,
-                                           32, tid);
+                    async_rows<64, COH_J, NT>(&st.a.scores[hh * 64][0], COH_A,
+                                              (const float*)ptab[5] + (rt * (rt + 1) / 2 + jt) * 4096, 64, 64, COH_J,
+                                              tid);
             }
             const unsigned xoff = (unsigned)j0 * tok_stride_x;
-            async_rows_bf16<32, 64, NT>(&st.b.x.x[0][0], COH_X, (const bf16_t*)ptab[0] + xoff, tok_stride_x, rows_j,
-                                        cols_0, tid);
-            async_rows_bf16<32, 64, NT>(&st.b.x.x[0][64], COH_X, (const bf16_t*)ptab[1] + xoff, tok_stride_x, rows_j,
-                                        cols_1, tid);
-            if (tid < 64) {
-                const int k = tid & 31, u = tid >> 5;
+            async_rows_bf16<COH_J, 64, NT>(&st.b.x.x[0][0], COH_X, (const bf16_t*)ptab[0] + xoff, tok_stride_x,
+                                           rows_j, cols_0, tid);
+            async_rows_bf16<COH_J, 64, NT>(&st.b.x.x[0][64], COH_X, (const bf16_t*)ptab[1] + xoff, tok_stride_x,
+                                           rows_j, cols_1, tid);
+            if (tid < 2 * COH_J) {
+                const int k = tid & (COH_J - 1), u = tid / COH_J;
                 const bool ok = k < rows_j;
                 cp_async4(&st.b.x.cs_j[u][k], (const float*)ptab[6 + u] + j0 + k, ok, p.dA_cumsum);
                 cp_async4(&st.b.x.dt_j[u][k], (const float*)ptab[8 + u] + j0 + k, ok, p.dt_out);
-                if (has_seq && tid < 32) cp_async4(&st.b.x.seq_j[k], (const int*)ptab[10] + j0 + k, ok, seq_row);
+                if (has_seq && tid < COH_J) cp_async4(&st.b.x.seq_j[k], (const int*)ptab[10] + j0 + k, ok, seq_row);
             }
         }
     };
@@ -276,13 +282,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
     __syncthreads();  // the base addresses
     issue(0);
     cp_async_commit();
-    if (nsteps > 1) issue(1);
-    cp_async_commit();
-    for (int s = 0; s < nsteps; ++s) {
-        cp_async_wait<1>();  // this thread's copies of step s have landed (s + 1 may still fly)
-        __syncthreads();     // everyone's have, and everyone is done with step s - 1's stage
-        if (s + 2 < nsteps) issue(s + 2);
-        cp_async_commit();
+    // The loop runs over the slab steps and the 32-column halves of the score steps; a slab step
+    // or the first half of a score step waits for its copies and issues the next step's.
+    const int nhalf = nslab + (min(i0 + TM, valid_c) + 31) / 32;
+    for (int s = 0; s < nhalf; ++s) {
+        const int cs = s < nslab ? s : nslab + ((s - nslab) >> 1);  // the copy step
+        if (s < nslab || ((s - nslab) & 1) == 0) {
+            cp_async_wait<0>();  // this thread's copies of step cs have landed
+            __syncthreads();     // everyone's have, and everyone is done with step cs - 1's stage
+            if (cs + 1 < nsteps) issue(cs + 1);
+            cp_async_commit();
+        }
         if (s == 0) {
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
@@ -294,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                 }
         }
         if (!rows_mma) continue;  // this warp's rows lie past the chunk's end
-        const ComputeOutPairBf16Smem::Stage& st = sm.stage[s % 3];
+        const ComputeOutPairBf16Smem::Stage& st = sm.stage[cs & 1];
         if (s < nslab) {
             // acc += C bf16(S_u)^T over 64 dstate columns (zeros past dstate in both).
             mma_slab_2xn_bf16_swz(acc, smem_addr(&st.a.c[0][0]), smem_addr(&st.b.s[0][0][0]), COH_C, rb0, wn * 64,
@@ -302,6 +312,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
             continue;
         }
         const int j0 = (s - nslab) * 32;
+        const int jh = j0 & 32;  // the half's first row of x and column of the scores in the stage
         if (j0 == 0 && nslab > 0) {
             if (split) {
                 // exp(cs_i) = 2^R 2^(csl_i - R): 2^R now, the row factor when the block's own
@@ -343,12 +354,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                     }
                 }
         }
-        if (j0 > i0 + rb1 + 15) continue;  // every column of the step lies right of this warp's rows
-        const float* cs_j = st.b.x.cs_j[wn];
-        const float* dt_j = st.b.x.dt_j[wn];
-        const int* seq_j = st.b.x.seq_j;
-        // The step holding a group's own rows adds y += D x to it, from the stage (bf16 x, exact
-        // in f32): x's rows (rb & 31) + g + 8 hf there.
+        if (j0 > i0 + rb1 + 15) continue;  // every column of the half lies right of this warp's rows
+        const float* cs_j = st.b.x.cs_j[wn] + jh;
+        const float* dt_j = st.b.x.dt_j[wn] + jh;
+        const int* seq_j = st.b.x.seq_j + jh;
+        // The half holding a group's own rows adds y += D x to it, from the stage (bf16 x, exact
+        // in f32): x's rows jh + (rb & 31) + g + 8 hf there.
         const bool d0 = j0 == i0 + (rb0 & ~31), d1 = j0 == i0 + (rb1 & ~31);
         if ((d0 || d1) && p.Dv != nullptr) {
             // With D per head and a full unit: one D load and no column tests.
@@ -356,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
                 if (!(mi ? d1 : d0)) continue;
-                const int xr = ((mi ? rb1 : rb0) & 31) + g;
+                const int xr = jh + ((mi ? rb1 : rb0) & 31) + g;
                 if (!p.d_per_channel && cols_p == 64) {
 #pragma unroll
                     for (int nf = 0; nf < 8; ++nf)
@@ -388,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         const bool colf = split && j0 < i0;  // left of the block: the split decay, no mask
         // Column k of the step is masked for fragment row (mi, hf) where k > lim + rb + 8 hf.
         const int lim = i0 - j0 + g;
-        const unsigned x_s = smem_addr(&st.b.x.x[0][0]);
+        const unsigned x_s = smem_addr(&st.b.x.x[jh][0]);
 #pragma unroll
         for (int kk = 0; kk < 32; kk += 16) {
             // Group mi takes part where a column of this half lies at or left of its last row
@@ -413,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
                 for (int reg = 0; reg < 4; ++reg) {
                     // a[mi][reg]: row rb + g + 8 (reg & 1), columns kc[2 (reg >> 1)] and the next.
                     const int hf = reg & 1, e0 = 2 * (reg >> 1);
-                    const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[rb + g + 8 * hf][kc[e0]]);
+                    const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[rb + g + 8 * hf][jh + kc[e0]]);
                     float f0, f1;
                     if (colf) {
                         f0 = ex2_approx(R - cj[e0]) * dj[e0];
