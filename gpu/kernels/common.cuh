@@ -327,18 +327,19 @@ __device__ __forceinline__ void async_rows_bf16(bf16_t* dst, int dst_stride, con
 }
 
 // One 16-deep k step of the bf16 slab products below: A's two 16-row groups by ldmatrix at
-// the shared addresses a_addr(0) and a_addr(1) (bytes), B's NF / 2 pairs of 8-column fragments
-// at b_addr(np); acc[mi][nf] += A_mi B_nf^T.
-template <int NF, class AAddr, class BAddr>
-__device__ __forceinline__ void mma_k16_2xn_bf16(float (&acc)[2][NF][4], AAddr a_addr, BAddr b_addr) {
+// the shared addresses a0 and a0 + a_step (bytes), B's NF / 2 pairs of 8-column fragments at
+// b0 + np b_step; acc[mi][nf] += A_mi B_nf^T.
+template <int NF>
+__device__ __forceinline__ void mma_k16_2xn_bf16(float (&acc)[2][NF][4], unsigned a0, unsigned a_step, unsigned b0,
+                                                 unsigned b_step) {
     static_assert(NF % 2 == 0, "pairs of 8-column fragments");
     unsigned a[2][4], bf[NF][2];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], a_addr(mi));
+    for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], a0 + (unsigned)mi * a_step);
 #pragma unroll
     for (int np = 0; np < NF / 2; ++np) {
         unsigned r4[4];
-        ldmatrix_x4(r4, b_addr(np));
+        ldmatrix_x4(r4, b0 + (unsigned)np * b_step);
         bf[2 * np][0] = r4[0];
         bf[2 * np][1] = r4[1];
         bf[2 * np + 1][0] = r4[2];
@@ -360,9 +361,8 @@ __device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsign
     const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8;
     const int b_off = ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8;
     for (int kk = 0; kk < kend; kk += 16)
-        mma_k16_2xn_bf16(
-            acc, [&](int mi) { return a_s + (unsigned)((a_row + mi * a_gap) * stride + kk + a_off) * 2u; },
-            [&](int np) { return b_s + (unsigned)((b_row + np * 16) * stride + kk + b_off) * 2u; });
+        mma_k16_2xn_bf16(acc, a_s + (unsigned)(a_row * stride + kk + a_off) * 2u, (unsigned)(a_gap * stride) * 2u,
+                         b_s + (unsigned)(b_row * stride + kk + b_off) * 2u, (unsigned)(16 * stride) * 2u);
 }
 
 // async_rows_bf16 for a ROWS x 64 block of bf16 into unpadded 128-byte rows, XOR-swizzled:
@@ -404,9 +404,8 @@ __device__ __forceinline__ void mma_slab_2xn_bf16_swz(float (&acc)[2][NF][4], un
     const int b_sw = ((lane >> 3) & 1) ^ (lane & 7);
 #pragma unroll
     for (int kk = 0; kk < 64; kk += 16)
-        mma_k16_2xn_bf16(
-            acc, [&](int mi) { return a_s + (unsigned)((a_row + mi * a_gap) * a_stride + kk + a_off) * 2u; },
-            [&](int np) { return b_base + (unsigned)(np * 16 * 128) + (unsigned)(((kk >> 3) ^ b_sw) << 4); });
+        mma_k16_2xn_bf16(acc, a_s + (unsigned)(a_row * a_stride + kk + a_off) * 2u, (unsigned)(a_gap * a_stride) * 2u,
+                         b_base + (unsigned)(((kk >> 3) ^ b_sw) << 4), 16u * 128u);
 }
 
 // B fragments of 8 NF columns (n = n0 .. n0 + 8 NF - 1) for rows k = kk .. kk + 15 of a bf16
