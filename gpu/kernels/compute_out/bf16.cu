@@ -114,8 +114,9 @@ SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 // Dynamic shared memory: ComputeOutPairBf16Smem below. The f32 scores have a row stride of 8
 // mod 32 floats (72), so the 8-byte fragment loads of a half warp hit 32 distinct banks; the C
 // and x tiles rows of 16-byte pieces whose eight rows of an ldmatrix hit distinct banks (144
-// and 272 bytes); the S slabs unpadded 128-byte rows, XOR-swizzled (async_rows_bf16_swz64):
-// padded, the two stages would not fit two blocks per SM.
+// and 272 bytes); the S slabs unpadded 128-byte rows, XOR-swizzled (async_rows_bf16_swz64),
+// as version 40's three 32-column stages needed to fit two blocks per SM (a slab stage now lies
+// within a score stage either way).
 #define COH_J 64   // chunk columns per score step
 #define COH_A 72   // scores row stride (floats)
 #define COH_N 64   // dstate columns per slab step
