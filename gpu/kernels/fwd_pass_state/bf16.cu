@@ -10,21 +10,24 @@
 // The A fragments (x^T, [p][l]) come through ldmatrix.trans from the x tile ([l][p]), are
 // scaled by w in f32 and rounded back to bf16, to nearest even: one operand rounding per term,
 // as mamba_ssm's chunk-state kernel rounds its scaled B (b.to(x.dtype)); the B fragments
-// ([l][n]) through ldmatrix.trans as stored. The 32-token stages flow through a 3-stage
-// cp.async ring, one barrier per stage. Every copy is 16 bytes wide: headdim and dstate
-// multiples of 8 (the host's condition).
+// ([l][n]) through ldmatrix.trans as stored. The 64-token stages flow through a 3-stage
+// cp.async ring, one barrier per stage (twice the bytes in flight of 32-token stages through
+// three, half the barriers and copy set-ups; the products in the same k order, so the same
+// bits). Every copy is 16 bytes wide: headdim and dstate multiples of 8 (the host's condition).
 #define SPH_S 136  // bf16 row stride of the x and B tiles (272-byte rows: ldmatrix without conflicts)
+#define SPH_T 64   // tokens per stage
 struct ChunkStateLocalPairBf16Smem {
     struct Stage {
-        bf16_t x[32][SPH_S];  // unit u at column 64 u
-        bf16_t b[32][SPH_S];
-        float cs[2][32], dt[2][32];
-        int seq[32];
+        bf16_t x[SPH_T][SPH_S];  // unit u at column 64 u
+        bf16_t b[SPH_T][SPH_S];
+        float cs[2][SPH_T], dt[2][SPH_T];
+        int seq[SPH_T];
     } stage[3];
-    float w[8][32];       // each warp's w of the current stage
+    float w[8][SPH_T];    // each warp's w of the current stage
     const void* base[8];  // the block's base addresses
 };
 static_assert(sizeof(ChunkStateLocalPairBf16Smem::Stage) % 16 == 0, "16-byte aligned stages");
+static_assert(2 * (sizeof(ChunkStateLocalPairBf16Smem) + 1024) <= 228 * 1024, "two blocks per Hopper SM");
 
 // The parameters of ssd_chunk_state_local_pair_bf16 (Rust: ChunkStateLocalParams, as the f32
 // 2a kernels').
@@ -45,7 +48,8 @@ __device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStat
                                                                  int n0, int pair, float (&acc)[2][8][4]) {
     SSD_DYNAMIC_SMEM(smem_raw);
     ChunkStateLocalPairBf16Smem& sm = *reinterpret_cast<ChunkStateLocalPairBf16Smem*>(smem_raw);
-    constexpr int NT = 256, TK = 32;
+    constexpr int NT = 256, TK = SPH_T;
+    static_assert(TK == 64, "a warp's w: two tokens per lane");
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int u = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
@@ -90,12 +94,12 @@ __device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStat
         async_rows_bf16<TK, 64, NT, true>(&st.x[0][0], SPH_S, (const bf16_t*)ptab[0] + xoff, tok_stride_x, rows_t, rows_0, tid);
         async_rows_bf16<TK, 64, NT, true>(&st.x[0][64], SPH_S, (const bf16_t*)ptab[1] + xoff, tok_stride_x, rows_t, rows_1, tid);
         async_rows_bf16<TK, 128, NT>(&st.b[0][0], SPH_S, (const bf16_t*)ptab[2] + boff, tok_stride_b, rows_t, cols_n, tid);
-        if (tid < 64) {
-            const int l = tid & 31, v = tid >> 5;
+        if (tid < 2 * TK) {
+            const int l = tid & (TK - 1), v = tid / TK;
             const bool ok = l < rows_t;
             cp_async4(&st.cs[v][l], (const float*)ptab[3 + v] + k0 + l, ok, p.dA_cumsum);
             cp_async4(&st.dt[v][l], (const float*)ptab[5 + v] + k0 + l, ok, p.dt_out);
-            if (seq_row != nullptr && tid < 32) cp_async4(&st.seq[l], (const int*)ptab[7] + k0 + l, ok, p.seq_idx);
+            if (seq_row != nullptr && tid < TK) cp_async4(&st.seq[l], (const int*)ptab[7] + k0 + l, ok, p.seq_idx);
         }
     };
 
@@ -116,9 +120,11 @@ __device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStat
         cp_async_commit();
         const ChunkStateLocalPairBf16Smem::Stage& st = sm.stage[k % 3];
         const int rows_t = min(TK, last + 1 - k * TK);
-        {
-            const bool same = seq_row == nullptr || st.seq[lane] == seq_last;
-            ws[lane] = (lane < rows_t && same) ? ex2_approx(csl_last - st.cs[u][lane] * LOG2E_F) * st.dt[u][lane] : 0.0f;
+#pragma unroll
+        for (int e = 0; e < TK; e += 32) {
+            const int l = e + lane;
+            const bool same = seq_row == nullptr || st.seq[l] == seq_last;
+            ws[l] = (l < rows_t && same) ? ex2_approx(csl_last - st.cs[u][l] * LOG2E_F) * st.dt[u][l] : 0.0f;
         }
         __syncwarp();
         const unsigned x_s = smem_addr(&st.x[0][0]), b_s = smem_addr(&st.b[0][0]);
