@@ -283,9 +283,13 @@ fn main() {
     }
     let gpu = match Gpu::with_config(GpuConfig::from_env()) {
         Ok(g) => g,
-        Err(e) => {
-            println!("skipped: {e}");
+        Err(e @ (GpuError::NoDriver(_) | GpuError::NoDevice(_))) => {
+            println!("skipped: no CUDA device ({e})");
             return;
+        }
+        Err(e) => {
+            eprintln!("the GPU could not be set up: {e}");
+            std::process::exit(1);
         }
     };
     println!(

@@ -100,8 +100,9 @@ pub struct Gpu {
     config: GpuConfig,
     target: &'static str,
     name: String,
-    /// Dynamic shared memory a block may opt in to on this device, in bytes.
-    pub(crate) max_smem_optin: usize,
+    /// Dynamic shared memory a block of each kernel of [`Kernel::ALL`] may opt in to on this
+    /// device, in bytes: the device's opt-in limit less the kernel's static shared memory.
+    smem_limits: Vec<usize>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -171,6 +172,7 @@ impl Gpu {
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
+        let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
@@ -186,16 +188,22 @@ impl Gpu {
                         k.params_bytes()
                     ))
                 })?;
+            // The opt-in covers static and dynamic shared memory together: a kernel with static
+            // shared memory may ask for that much less dynamic (the driver refuses more).
+            let static_smem =
+                f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+            let limit = max_smem_optin.saturating_sub(usize::try_from(static_smem).unwrap_or(0));
             if layout.smem.iter().any(|&b| b > 0) {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max_smem_optin as i32,
+                    i32::try_from(limit).unwrap_or(i32::MAX),
                 )?;
             }
             functions.push(f);
             layouts.push(layout);
+            smem_limits.push(limit);
         }
-        let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= max_smem_optin;
+        let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= smem_limits[k as usize];
         let legacy = config.variant == Variant::V1;
         let pairs = matches!(config.variant, Variant::V2 | Variant::V3)
             && fits(Kernel::ComputeOutPair)
@@ -216,7 +224,7 @@ impl Gpu {
             config,
             target,
             name,
-            max_smem_optin,
+            smem_limits,
         })
     }
 
@@ -241,9 +249,15 @@ impl Gpu {
         self.layout(k).smem_bytes(dstate)
     }
 
+    /// Dynamic shared memory a block of `k` may have on this device, in bytes: the device's
+    /// opt-in limit less `k`'s static shared memory.
+    pub fn smem_limit(&self, k: Kernel) -> usize {
+        self.smem_limits[k as usize]
+    }
+
     /// Whether a block of `k` at `dstate` fits this device's shared memory.
     pub(crate) fn fits(&self, k: Kernel, dstate: usize) -> bool {
-        self.smem_bytes(k, dstate) <= self.max_smem_optin
+        self.smem_bytes(k, dstate) <= self.smem_limit(k)
     }
 
     /// Enqueues `k` over `grid` with its block size and its dynamic shared memory at `dstate`,
@@ -320,7 +334,7 @@ impl Gpu {
                     k.name(),
                     f.num_regs()?,
                     f.local_size_bytes()?,
-                    if smem <= self.max_smem_optin {
+                    if smem <= self.smem_limit(k) {
                         f.occupancy_max_active_blocks_per_multiprocessor(k.threads(), smem, None)?
                     } else {
                         0 // never launched on this device
@@ -399,10 +413,11 @@ impl Gpu {
     pub(crate) fn check(&self, dims: &Dims, options: &Options) -> Result<Lengths, GpuError> {
         let lengths = shape::check(dims, options)?;
         let smem = self.smem_bytes(Kernel::ComputeOut, dims.dstate);
-        if smem > self.max_smem_optin {
+        let limit = self.smem_limit(Kernel::ComputeOut);
+        if smem > limit {
             return Err(unsupported(format!(
-                "dstate {} needs {smem} bytes of shared memory per block; this device allows {}",
-                dims.dstate, self.max_smem_optin
+                "dstate {} needs {smem} bytes of shared memory per block; this device allows {limit}",
+                dims.dstate
             )));
         }
         Ok(lengths)
