@@ -87,6 +87,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) ssd_chunk_cb_bf16(const Chu
 }
 SSD_LAYOUT_FIXED(ssd_chunk_cb_bf16, ChunkCbBf16Params, sizeof(ChunkCbBf16Smem));
 
+// The score decay's three modes in 3b's half steps: left of the block without seq_idx (the split
+// decay, no mask), the causal mask alone, the mask and seq_idx.
+enum { DECAY_SPLIT, DECAY_MASK, DECAY_SEQ };
+
 // 3b, ssd_compute_out_pair_bf16: the pair kernel (pair.cu) over bf16 tiles. One block of 256
 // threads (8 warps, two blocks per SM) per (batch, chunk, 128 rows, pair of units of one
 // group); warp w owns unit w % 2 and two 16-row groups of the block, w / 2 and 7 - w / 2 (rows
@@ -401,61 +405,72 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_compute_out_pair_bf16(c
         // Column k of the step is masked for fragment row (mi, hf) where k > lim + rb + 8 hf.
         const int lim = i0 - j0 + g;
         const unsigned x_s = smem_addr(&st.b.x.x[jh][0]);
+        // The half's decay mode is chosen once here, outside the unrolled fragment loops (chosen
+        // inside them, each of the 16 fragment registers carried its own branch).
+        // (M is a constant at each of the three calls below: inlined, each call keeps one mode.)
+        const auto half_step = [&](const int M) {
 #pragma unroll
-        for (int kk = 0; kk < 32; kk += 16) {
-            // Group mi takes part where a column of this half lies at or left of its last row
-            // (the lower group wherever the upper one does).
-            const bool act0 = j0 + kk <= i0 + rb0 + 15;
-            if (j0 + kk > i0 + rb1 + 15) continue;
-            // This thread's four columns: kk + 2q + {0, 1, 8, 9}.
-            int kc[4];
-            float cj[4], dj[4];
+            for (int kk = 0; kk < 32; kk += 16) {
+                // Group mi takes part where a column of this half lies at or left of its last row
+                // (the lower group wherever the upper one does).
+                const bool act0 = j0 + kk <= i0 + rb0 + 15;
+                if (j0 + kk > i0 + rb1 + 15) continue;
+                // This thread's four columns: kk + 2q + {0, 1, 8, 9}.
+                int kc[4];
+                float cj[4], dj[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                kc[e] = kk + 2 * q + (e & 1) + 8 * (e >> 1);
-                cj[e] = cs_j[kc[e]] * LOG2E_F;
-                dj[e] = dt_j[kc[e]];
-            }
-            unsigned a[2][4], bf[8][2];
+                for (int e = 0; e < 4; ++e) {
+                    kc[e] = kk + 2 * q + (e & 1) + 8 * (e >> 1);
+                    cj[e] = cs_j[kc[e]] * LOG2E_F;
+                    dj[e] = dt_j[kc[e]];
+                }
+                unsigned a[2][4], bf[8][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                if (mi == 0 && !act0) continue;
-                const int rb = mi ? rb1 : rb0;
+                for (int mi = 0; mi < 2; ++mi) {
+                    if (mi == 0 && !act0) continue;
+                    const int rb = mi ? rb1 : rb0;
 #pragma unroll
-                for (int reg = 0; reg < 4; ++reg) {
-                    // a[mi][reg]: row rb + g + 8 (reg & 1), columns kc[2 (reg >> 1)] and the next.
-                    const int hf = reg & 1, e0 = 2 * (reg >> 1);
-                    const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[rb + g + 8 * hf][jh + kc[e0]]);
-                    float f0, f1;
-                    if (colf) {
-                        f0 = ex2_approx(R - cj[e0]) * dj[e0];
-                        f1 = ex2_approx(R - cj[e0 + 1]) * dj[e0 + 1];
-                    } else if (!has_seq) {
-                        // As below with every seq equal: the mask alone (the same bits).
-                        const int lm = lim + rb + 8 * hf;
-                        const float arg0 = kc[e0] <= lm ? csl[mi][hf] - cj[e0] : NEG_INF_F;
-                        const float arg1 = kc[e0 + 1] <= lm ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
-                        f0 = ex2_approx(arg0) * dj[e0];
-                        f1 = ex2_approx(arg1) * dj[e0 + 1];
-                    } else {
-                        const int lm = lim + rb + 8 * hf;
-                        const int s0 = seq_j[kc[e0]], s1 = seq_j[kc[e0 + 1]];
-                        const float arg0 = (kc[e0] <= lm && s0 == sq[mi][hf]) ? csl[mi][hf] - cj[e0] : NEG_INF_F;
-                        const float arg1 = (kc[e0 + 1] <= lm && s1 == sq[mi][hf]) ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
-                        f0 = ex2_approx(arg0) * dj[e0];
-                        f1 = ex2_approx(arg1) * dj[e0 + 1];
+                    for (int reg = 0; reg < 4; ++reg) {
+                        // a[mi][reg]: row rb + g + 8 (reg & 1), columns kc[2 (reg >> 1)] and the next.
+                        const int hf = reg & 1, e0 = 2 * (reg >> 1);
+                        const float2 v = *reinterpret_cast<const float2*>(&st.a.scores[rb + g + 8 * hf][jh + kc[e0]]);
+                        float f0, f1;
+                        if (M == DECAY_SPLIT) {
+                            f0 = ex2_approx(R - cj[e0]) * dj[e0];
+                            f1 = ex2_approx(R - cj[e0 + 1]) * dj[e0 + 1];
+                        } else if (M == DECAY_MASK) {
+                            // As below with every seq equal: the mask alone (the same bits).
+                            const int lm = lim + rb + 8 * hf;
+                            const float arg0 = kc[e0] <= lm ? csl[mi][hf] - cj[e0] : NEG_INF_F;
+                            const float arg1 = kc[e0 + 1] <= lm ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
+                            f0 = ex2_approx(arg0) * dj[e0];
+                            f1 = ex2_approx(arg1) * dj[e0 + 1];
+                        } else {
+                            const int lm = lim + rb + 8 * hf;
+                            const int s0 = seq_j[kc[e0]], s1 = seq_j[kc[e0 + 1]];
+                            const float arg0 = (kc[e0] <= lm && s0 == sq[mi][hf]) ? csl[mi][hf] - cj[e0] : NEG_INF_F;
+                            const float arg1 = (kc[e0 + 1] <= lm && s1 == sq[mi][hf]) ? csl[mi][hf] - cj[e0 + 1] : NEG_INF_F;
+                            f0 = ex2_approx(arg0) * dj[e0];
+                            f1 = ex2_approx(arg1) * dj[e0 + 1];
+                        }
+                        a[mi][reg] = pack_bf16x2(v.x * f0, v.y * f1);
                     }
-                    a[mi][reg] = pack_bf16x2(v.x * f0, v.y * f1);
+                }
+                load_b_kmajor_bf16(bf, x_s, COH_X, kk, wn * 64, lane);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    if (mi == 0 && !act0) continue;
+#pragma unroll
+                    for (int nf = 0; nf < 8; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
                 }
             }
-            load_b_kmajor_bf16(bf, x_s, COH_X, kk, wn * 64, lane);
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                if (mi == 0 && !act0) continue;
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) mma_bf16(acc[mi][nf], a[mi], bf[nf]);
-            }
-        }
+        };
+        if (colf)
+            half_step(DECAY_SPLIT);
+        else if (!has_seq)
+            half_step(DECAY_MASK);
+        else
+            half_step(DECAY_SEQ);
     }
 
     // Epilogue: z gate, store bf16 pairs (the D term is in already).
