@@ -17,7 +17,7 @@ use crate::shape::{self, Lengths};
 use crate::GpuError;
 
 /// Which kernels serve each stage (`docs/gpu.md`). Every variant computes the same contract;
-/// version 2 is the default, the others are kept for comparison, and a test process can open
+/// version 3 is the default, the others are kept for comparison, and a test process can open
 /// one [`Gpu`] per variant to run them all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Variant {
@@ -112,7 +112,7 @@ pub fn driver_present() -> bool {
 }
 
 impl Gpu {
-    /// Opens device `ordinal` with the default kernels ([`Variant::V2`]): [`Gpu::with_config`].
+    /// Opens device `ordinal` with the default kernels ([`Variant::V3`]): [`Gpu::with_config`].
     ///
     /// # Errors
     /// As [`Gpu::with_config`].
