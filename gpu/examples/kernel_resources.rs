@@ -111,6 +111,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // ptxas's warnings (e.g. wgmma products it serialized) go to stderr as they are.
+    for line in log.lines().filter(|l| l.contains("warning")) {
+        eprintln!("{line}");
+    }
     let mut kernels = parse(&log);
     kernels.retain(|k| k.name.contains(&filter));
     kernels.sort_by(|a, b| a.name.cmp(&b.name));
