@@ -145,12 +145,6 @@ fn bench<T: Upload>(
     let kind = |pair: bool| if pair { "pair" } else { "single" };
     let (state_pair, out_pair) = gpu.uses_pair_kernels(&dims, &options);
     let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
-    // Stage 3 on the Hopper output kernel (bf16, Variant::V3, where it serves; no seq_idx here).
-    let out_kernel = if T::BF16 && gpu.runs_wg_out(&dims, &options, false) {
-        "wgmma"
-    } else {
-        out_kernel
-    };
     // Stage 2 as one chained kernel (Variant::V3, where it serves).
     let state_kernel = if gpu.uses_chained(&dims, &options) {
         "chained"
