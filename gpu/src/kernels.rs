@@ -260,6 +260,19 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// The environment variable whose whitespace-separated words [`ptx`] appends to its NVRTC
+/// options: for kernel development only, e.g. `-DNAME=1` to build a kernel's alternative form
+/// (the forms each `.cu` header lists) or `-lineinfo` for a profiler's source view. Read once per
+/// process, at the first compilation; the tests and every documented figure use none.
+pub const NVRTC_OPTIONS_ENV: &str = "SSD_NVRTC_OPTIONS";
+
+/// The extra NVRTC options in `value` (the variable's content, if set): its words.
+fn extra_options(value: Option<&str>) -> Vec<String> {
+    value
+        .map(|v| v.split_whitespace().map(String::from).collect())
+        .unwrap_or_default()
+}
+
 /// PTX of [`SOURCE`] for `target` (e.g. `"sm_90a"`), compiled once per process and cached.
 /// Needs the NVRTC library but no GPU.
 ///
@@ -280,10 +293,18 @@ pub fn ptx(target: &'static str) -> Result<Ptx, GpuError> {
     if let Some(p) = cache.get(target) {
         return Ok(p.clone());
     }
+    let mut options = vec!["--std=c++17".to_string()];
+    let extra = extra_options(std::env::var(NVRTC_OPTIONS_ENV).ok().as_deref());
+    if !extra.is_empty() {
+        eprintln!(
+            "ssd-gpu: NVRTC options from {NVRTC_OPTIONS_ENV}: {extra:?} (not the tested build)"
+        );
+        options.extend(extra);
+    }
     let opts = CompileOptions {
         arch: Some(target),
         name: Some("ssd_kernels.cu".into()),
-        options: vec!["--std=c++17".into()],
+        options,
         ..Default::default()
     };
     let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
@@ -318,6 +339,16 @@ fn compile_error(target: &str, e: CompileError) -> GpuError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_nvrtc_options_are_the_words_of_the_variable() {
+        assert!(extra_options(None).is_empty());
+        assert!(extra_options(Some("  ")).is_empty());
+        assert_eq!(
+            extra_options(Some(" -DA=1\t-lineinfo\n")),
+            vec!["-DA=1".to_string(), "-lineinfo".to_string()]
+        );
+    }
 
     #[test]
     fn the_emulator_includes_the_same_files_in_the_same_order() {
