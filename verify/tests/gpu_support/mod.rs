@@ -57,22 +57,6 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<(Variant, Arc<Gpu>)>> {
     )
 }
 
-/// The default variant with the persistent kernels' grid capped at `blocks`
-/// (`GpuConfig::persistent_blocks`), so that each block walks many work items even on small
-/// shapes.
-pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
-    let config = GpuConfig {
-        persistent_blocks: Some(blocks),
-        ..GpuConfig::variant(Variant::V3)
-    };
-    match ssd_gpu::gpu_for(config) {
-        Ok(g) => vec![(Variant::V3, g)],
-        Err(e) => {
-            panic!("{test}: the GPU could not be set up with {blocks} persistent blocks: {e}")
-        }
-    }
-}
-
 /// A summary label for `variant`: `label` for the default, `label [variant]` for the others.
 pub fn variant_label(label: &str, variant: Variant) -> String {
     if variant == Variant::default() {
