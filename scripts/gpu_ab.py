@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Times kernel forms against each other in one call, in alternating rounds, with the forward
+benchmark that scripts/gpu-bundle.sh put in the bundle (bin/bench-forward beside this script).
+
+Usage (on the GPU machine, from the bundle):
+  python3 gpu_ab.py [--shapes 1,0,2,3] [--reps 20] [--rounds 2] [--dtype bf16] FORM [FORM ...]
+A FORM is `label` or `label:VAR=VALUE VAR=VALUE ...`: the environment of that form's runs, e.g.
+  'base'  'v2:SSD_GPU_CHAINED=0'  'form:SSD_NVRTC_OPTIONS=-DNAME=1'
+(`SSD_NVRTC_OPTIONS` takes the rest of its form, spaces included: `-DA=1 -DB=1`). Each round runs
+every form once per shape, in the order given (`--shapes` are the bench's `--only` indices: 0 to
+4 the speed issue's shapes, in gpu/benches/forward.rs's order). Each run is one process: the
+bench's own median of `--reps` CUDA-event timings. A form's first run in a process compiles its
+kernels (NVRTC), which the bench keeps out of its timings.
+
+Prints one line per run as it ends, then per shape a table of each form's medians over the
+rounds (forward, stage 2, output stage, ms) and the output stage's change against the first
+form; writes every run's log to --log (default ab.log). Speed is measured here, never asserted:
+the exit status is 0 unless a run failed.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_form(text):
+    label, _, rest = text.partition(":")
+    env = {}
+    rest = rest.strip()
+    if rest:
+        # SSD_NVRTC_OPTIONS takes everything after its '=' (its options hold spaces).
+        key = "SSD_NVRTC_OPTIONS="
+        if key in rest:
+            head, _, opts = rest.partition(key)
+            env["SSD_NVRTC_OPTIONS"] = opts.strip()
+            rest = head.strip()
+        for word in rest.split():
+            name, eq, value = word.partition("=")
+            if not eq:
+                raise SystemExit(f"form {text!r}: {word!r} is not VAR=VALUE")
+            env[name] = value
+    if not label:
+        raise SystemExit(f"form {text!r} has no label")
+    return label, env
+
+
+def run(bench, shape, reps, env, dtype, log):
+    t0 = time.time()
+    proc = subprocess.run(
+        [bench, "--only", str(shape), "--reps", str(reps)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    log.write(f"=== shape {shape} env {env} rc {proc.returncode}\n{proc.stdout}{proc.stderr}\n")
+    log.flush()
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_JSON "):
+            j = json.loads(line[len("BENCH_JSON ") :])
+            if j.get("dtype", "f32") == dtype:
+                return j, proc.returncode, time.time() - t0
+    return None, proc.returncode, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("forms", nargs="+")
+    ap.add_argument("--shapes", default="1,0,2,3")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--bench", default=os.path.join(here, "bin", "bench-forward"))
+    ap.add_argument("--log", default="ab.log")
+    a = ap.parse_args()
+    forms = [parse_form(f) for f in a.forms]
+    shapes = [int(s) for s in a.shapes.split(",") if s.strip()]
+    got = {}  # (shape, label) -> list of json
+    failed = 0
+    with open(a.log, "w") as log:
+        for rnd in range(a.rounds):
+            for shape in shapes:
+                for label, env in forms:
+                    j, rc, secs = run(a.bench, shape, a.reps, env, a.dtype, log)
+                    if j is None or rc != 0:
+                        failed += 1
+                        print(f"round {rnd} shape {shape} {label}: FAILED (rc {rc}, {secs:.0f} s)", flush=True)
+                        continue
+                    got.setdefault((shape, label), []).append(j)
+                    print(
+                        f"round {rnd} shape {shape} {label:12s} fwd {j['ours_ms']:.4f} state {j['state_ms']:.4f} "
+                        f"out {j['out_ms']:.4f} ({j['out_kernel']}, {secs:.0f} s)",
+                        flush=True,
+                    )
+    print()
+    for shape in shapes:
+        base = None
+        dims = next((got[(shape, lb)][0]["shape"] for lb, _ in forms if got.get((shape, lb))), None)
+        print(f"shape {shape} {dims}: medians over {a.rounds} rounds, {a.dtype}, ms")
+        print(f"  {'form':12s} {'forward':>8s} {'stage 2':>8s} {'output':>8s}  output vs first")
+        for label, _ in forms:
+            runs = got.get((shape, label))
+            if not runs:
+                print(f"  {label:12s} (no result)")
+                continue
+            med = {k: statistics.median(r[k] for r in runs) for k in ("ours_ms", "state_ms", "out_ms")}
+            if base is None:
+                base = med["out_ms"]
+                rel = ""
+            else:
+                rel = f"{100 * (med['out_ms'] / base - 1):+.1f}%"
+            print(f"  {label:12s} {med['ours_ms']:8.4f} {med['state_ms']:8.4f} {med['out_ms']:8.4f}  {rel}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
