@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--log", default="ab.log")
     a = ap.parse_args()
     forms = [parse_form(f) for f in a.forms]
+    labels = [label for label, _ in forms]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"each form needs its own label: {labels}")
     shapes = [int(s) for s in a.shapes.split(",") if s.strip()]
     got = {}  # (shape, label) -> list of json
     failed = 0
@@ -98,7 +101,8 @@ def main():
                     )
     print()
     for shape in shapes:
-        base = None
+        first = got.get((shape, labels[0]))
+        base = statistics.median(r["out_ms"] for r in first) if first else None
         dims = next((got[(shape, lb)][0]["shape"] for lb, _ in forms if got.get((shape, lb))), None)
         print(f"shape {shape} {dims}: medians over {a.rounds} rounds, {a.dtype}, ms")
         print(f"  {'form':12s} {'forward':>8s} {'stage 2':>8s} {'output':>8s}  output vs first")
@@ -108,11 +112,7 @@ def main():
                 print(f"  {label:12s} (no result)")
                 continue
             med = {k: statistics.median(r[k] for r in runs) for k in ("ours_ms", "state_ms", "out_ms")}
-            if base is None:
-                base = med["out_ms"]
-                rel = ""
-            else:
-                rel = f"{100 * (med['out_ms'] / base - 1):+.1f}%"
+            rel = "" if base is None or label == labels[0] else f"{100 * (med['out_ms'] / base - 1):+.1f}%"
             print(f"  {label:12s} {med['ours_ms']:8.4f} {med['state_ms']:8.4f} {med['out_ms']:8.4f}  {rel}")
     return 1 if failed else 0
 
