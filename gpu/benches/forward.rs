@@ -14,8 +14,9 @@
 //! request; one `SERVING_JSON {...}` line each, with the lengths, for scripts.
 //!
 //! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
-//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1`, `SSD_GPU_PAIR=0` or `SSD_GPU_CHAINED=0` in the environment
-//! times another variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
+//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1`,
+//! `SSD_GPU_PAIR=0`, `SSD_GPU_CHAINED=0` or `SSD_GPU_WG=0` in the environment times another
+//! variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
 use std::sync::Arc;
 
@@ -145,6 +146,12 @@ fn bench<T: Upload>(
     let kind = |pair: bool| if pair { "pair" } else { "single" };
     let (state_pair, out_pair) = gpu.uses_pair_kernels(&dims, &options);
     let (state_kernel, out_kernel) = (kind(state_pair), kind(out_pair));
+    // Stage 3 on the Hopper output kernel (bf16, Variant::V3, where it serves; no seq_idx here).
+    let out_kernel = if T::BF16 && gpu.runs_wg_out(&dims, &options, false) {
+        "wgmma"
+    } else {
+        out_kernel
+    };
     // Stage 2 as one chained kernel (Variant::V3, where it serves).
     let state_kernel = if gpu.uses_chained(&dims, &options) {
         "chained"

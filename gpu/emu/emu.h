@@ -1,5 +1,6 @@
 // Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/),
-// in place of kernels/ptx.cuh (every helper of that file is emulated here under its name):
+// in place of kernels/ptx.cuh (every helper of that file is emulated here under its name, but
+// the Hopper-only ones: the kernel that uses them, compute_out/wg_bf16.cu, is empty here):
 // a block runs as blockDim host threads with std::barrier for __syncthreads/__syncwarp;
 // mma.sync m16n8k8 TF32 and m16n8k16 BF16 are emulated warp-wide through a per-warp scratch (f32 sums in k order,
 // so only comparisons between kernel versions are meaningful, not bits against the GPU);
@@ -20,6 +21,7 @@ using std::min; using std::max;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __restrict__
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static

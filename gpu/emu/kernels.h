@@ -17,5 +17,6 @@
 #include "../kernels/compute_out/tiled.cu"
 #include "../kernels/compute_out/pair.cu"
 #include "../kernels/compute_out/bf16.cu"
+#include "../kernels/compute_out/wg_bf16.cu"
 #include "../kernels/serving.cu"
 #include "../kernels/convert.cu"

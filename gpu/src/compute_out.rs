@@ -1,9 +1,12 @@
 //! Stage 3 on the GPU: the output of every chunk.
 
 use crate::kernels::Kernel;
-use crate::params::{ChunkCbParams, ComputeOutCbParams, ComputeOutParams, StateSizes};
+use crate::params::{
+    ChunkCbParams, ComputeOutCbParams, ComputeOutParams, ComputeOutWgParams, StateSizes,
+};
 use crate::runtime::{int, Args};
 use crate::shape::{compute_out_cb_rows, compute_out_pairs, score_tiles, TILE_M, TILE_P};
+use crate::tma;
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
 impl Gpu {
@@ -57,6 +60,9 @@ impl Gpu {
         let sizes = StateSizes::new(&d, &o);
         let d_per_channel = i32::from(inputs.D.as_ref().is_some_and(|v| v.len() != d.nheads));
         let has_initial_states = i32::from(inputs.initial_states.is_some());
+        if T::BF16 && self.runs_wg_out(&d, &o, inputs.seq_idx.is_some()) {
+            return self.compute_out_wg(inputs, outputs, sizes, d_per_channel, has_initial_states);
+        }
         if let Some(scores) = outputs.scores.as_mut() {
             let t = score_tiles(&d, &o);
             let npairs = t * (t + 1) / 2;
@@ -169,6 +175,73 @@ impl Gpu {
         // dynamic shared memory was checked against the device's opt-in limit by `check`.
         unsafe { self.launch(Kernel::ComputeOut, grid, d.dstate, &params) }?;
         drop(args);
+        Ok(())
+    }
+
+    /// Stage 3 on Hopper for bf16 activations (`ssd_compute_out_wg_bf16`, where
+    /// [`Gpu::runs_wg_out`]): the scores, the decay and both products in one kernel, its
+    /// operands copied by TMA, its products on `wgmma`. A persistent grid, one block per SM,
+    /// walking the (batch, chunk, pair of heads) items.
+    fn compute_out_wg<T: IoElement>(
+        &self,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
+        sizes: StateSizes,
+        d_per_channel: i32,
+        has_initial_states: i32,
+    ) -> Result<(), GpuError> {
+        let d = inputs.dims;
+        let nchunks = d.nchunks(inputs.options.chunk_size);
+        let Some(lo) = outputs.states_lo.as_ref() else {
+            return Err(GpuError::Internal(
+                "the Hopper output kernel found no bf16 copy of the states".into(),
+            ));
+        };
+        let mut args = Args::new(&self.stream);
+        let x = args.read(&inputs.x);
+        let c = args.read(&inputs.C);
+        let b = args.read(&inputs.B);
+        let s = args.read(lo);
+        let out = args.write(&mut outputs.out);
+        let u = |v: usize| v as u64;
+        let (len, batch) = (u(d.seqlen), u(d.batch));
+        let xw = u(d.nheads * d.headdim);
+        let bw = u(d.ngroups * d.dstate);
+        let params = ComputeOutWgParams {
+            tm_x: tma::bf16_boxes_64(x, [xw, len, batch], [2 * xw, 2 * xw * len])?,
+            tm_c: tma::bf16_boxes_64(c, [bw, len, batch], [2 * bw, 2 * bw * len])?,
+            tm_b: tma::bf16_boxes_64(b, [bw, len, batch], [2 * bw, 2 * bw * len])?,
+            tm_s: tma::bf16_boxes_64(
+                s,
+                [u(d.dstate), u(d.headdim), u(d.batch * nchunks * d.nheads)],
+                [2 * u(d.dstate), 2 * u(d.headdim * d.dstate)],
+            )?,
+            tm_out: tma::bf16_boxes_64(out, [xw, len, batch], [2 * xw, 2 * xw * len])?,
+            d: args.opt(inputs.D.as_ref()),
+            z: args.opt(inputs.z.as_ref()),
+            dt_out: args.read(&outputs.dt),
+            da_cumsum: args.read(&outputs.dA_cumsum),
+            sizes,
+            d_per_channel,
+            has_initial_states,
+            batch: int(d.batch),
+        };
+        // Persistent: one block per SM (or per item, where there are fewer; or the configured
+        // cap), each taking the items k, k + grid, ... of (batch, chunk, pair of heads).
+        let items = d.batch * nchunks * (d.nheads / 2);
+        let blocks = self.config().persistent_blocks.unwrap_or(self.sm_count);
+        let grid = (items.min(blocks).max(1) as u32, 1, 1);
+        // SAFETY: `ComputeOutWgParams` is the struct of `ssd_compute_out_wg_bf16`
+        // (kernels/compute_out/wg_bf16.cu: bf16 x, B, C, z and out, which `T` is; the states'
+        // bf16 copy checked by `check_states_lo`); its descriptors cover exactly x, C, B, that
+        // copy and out at the checked sizes (the copy engine reads and writes nothing outside
+        // them); `runs_wg_out`
+        // checked its conditions (headdim 64, dstate 128, chunks of 128 or 256 tokens, no
+        // seq_idx, pairs of heads within a group, every TMA coordinate and the item count within
+        // `i32`), that this device is Hopper and that its dynamic shared memory fits; the blocks
+        // stride over every (batch, chunk, pair of heads) item, and dt and dA_cumsum were
+        // written by stage 1 on this stream.
+        unsafe { self.launch(Kernel::ComputeOutWgBf16, grid, d.dstate, &params) }?;
         Ok(())
     }
 }

@@ -39,6 +39,7 @@ sources!(
     "compute_out/tiled.cu",
     "compute_out/pair.cu",
     "compute_out/bf16.cu",
+    "compute_out/wg_bf16.cu",
     "serving.cu",
     "convert.cu",
 );
@@ -90,12 +91,15 @@ pub enum Kernel {
     StateChained,
     /// The chained stage 2 with bf16 `x` and `B`.
     StateChainedBf16,
+    /// Stage 3 (scores included) on Hopper: bf16 `x`, `B`, `C`, `z` and `out`, TMA copies and
+    /// `wgmma` products.
+    ComputeOutWgBf16,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 21] = [
+    pub const ALL: [Kernel; 22] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -117,6 +121,7 @@ impl Kernel {
         Kernel::NarrowBf16,
         Kernel::StateChained,
         Kernel::StateChainedBf16,
+        Kernel::ComputeOutWgBf16,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -143,6 +148,7 @@ impl Kernel {
             Kernel::NarrowBf16 => "ssd_narrow_bf16",
             Kernel::StateChained => "ssd_state_chained",
             Kernel::StateChainedBf16 => "ssd_state_chained_bf16",
+            Kernel::ComputeOutWgBf16 => "ssd_compute_out_wg_bf16",
         }
     }
 
@@ -170,6 +176,7 @@ impl Kernel {
             | Kernel::NarrowBf16
             | Kernel::StateChained
             | Kernel::StateChainedBf16 => 256,
+            Kernel::ComputeOutWgBf16 => 384,
         }
     }
 
@@ -195,6 +202,7 @@ impl Kernel {
             Kernel::StatesAt => size_of::<StatesAtParams>(),
             Kernel::WidenBf16 | Kernel::NarrowBf16 => size_of::<ConvertParams>(),
             Kernel::StateChained | Kernel::StateChainedBf16 => size_of::<StateChainedParams>(),
+            Kernel::ComputeOutWgBf16 => size_of::<ComputeOutWgParams>(),
         }
     }
 

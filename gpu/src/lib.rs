@@ -52,6 +52,7 @@ mod params;
 mod runtime;
 mod serving;
 mod shape;
+mod tma;
 
 pub use error::GpuError;
 pub use host::{default_gpu, forward, forward_bf16, forward_packed, gpu_for};

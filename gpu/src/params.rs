@@ -174,6 +174,26 @@ pub(crate) struct ComputeOutCbParams {
     pub vec: i32,
 }
 
+/// `ssd_compute_out_wg_bf16` (`compute_out/wg_bf16.cu`): five TMA descriptors first (x, C, B
+/// and the states' bf16 copy read, out written), then the buffers read directly.
+#[repr(C, align(128))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ComputeOutWgParams {
+    pub tm_x: cudarc::driver::sys::CUtensorMap,
+    pub tm_c: cudarc::driver::sys::CUtensorMap,
+    pub tm_b: cudarc::driver::sys::CUtensorMap,
+    pub tm_s: cudarc::driver::sys::CUtensorMap,
+    pub tm_out: cudarc::driver::sys::CUtensorMap,
+    pub d: u64,
+    pub z: u64,
+    pub dt_out: u64,
+    pub da_cumsum: u64,
+    pub sizes: StateSizes,
+    pub d_per_channel: i32,
+    pub has_initial_states: i32,
+    pub batch: i32,
+}
+
 /// `ssd_seq_init_out` (`serving.cu`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -257,6 +277,9 @@ unsafe impl DeviceRepr for StatesAtParams {}
 unsafe impl DeviceRepr for ConvertParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for StateChainedParams {}
+// SAFETY: as above; the descriptors are 128-byte opaque words (CUtensorMap), 128-byte aligned
+// in the struct as in the C twin, and the kernel takes the struct as a __grid_constant__.
+unsafe impl DeviceRepr for ComputeOutWgParams {}
 
 const _: () = {
     use std::mem::size_of;
@@ -272,4 +295,5 @@ const _: () = {
     assert!(size_of::<StatesAtParams>() == 96);
     assert!(size_of::<ConvertParams>() == 24);
     assert!(size_of::<StateChainedParams>() == 112);
+    assert!(size_of::<ComputeOutWgParams>() == 768);
 };

@@ -49,6 +49,13 @@ pub struct GpuConfig {
     pub ordinal: usize,
     /// Which kernels serve each stage.
     pub variant: Variant,
+    /// The most blocks a persistent kernel (the Hopper output kernel) launches; `None`: one
+    /// per SM. Tests set a small cap so that every block walks many work items.
+    pub persistent_blocks: Option<usize>,
+    /// Keeps stage 3 of bf16 activations off the Hopper output kernel (3a and the pair kernel
+    /// instead, as in [`Variant::V2`]) while the rest of [`Variant::V3`] stays: for comparing
+    /// the two output stages in one program (`SSD_GPU_WG=0` in [`GpuConfig::from_env`]).
+    pub no_wg_out: bool,
 }
 
 impl GpuConfig {
@@ -57,12 +64,15 @@ impl GpuConfig {
         GpuConfig {
             ordinal: 0,
             variant,
+            persistent_blocks: None,
+            no_wg_out: false,
         }
     }
 
     /// The configuration the command-line tools take from the environment: `SSD_GPU_V1=1`
     /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`], else
-    /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; device 0.
+    /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; `SSD_GPU_WG=0` sets [`GpuConfig::no_wg_out`];
+    /// device 0.
     pub fn from_env() -> Self {
         let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x == v);
         let variant = if on("SSD_GPU_V1", "1") {
@@ -74,7 +84,10 @@ impl GpuConfig {
         } else {
             Variant::V3
         };
-        GpuConfig::variant(variant)
+        GpuConfig {
+            no_wg_out: on("SSD_GPU_WG", "0"),
+            ..GpuConfig::variant(variant)
+        }
     }
 }
 
@@ -356,6 +369,37 @@ impl Gpu {
             && shape::scores_len(dims, options).is_some()
             && shape::compute_out_pairs(dims, shape::score_tiles(dims, options));
         (state, out)
+    }
+
+    /// Whether stage 3 of bf16 activations runs on the Hopper output kernel
+    /// (`ssd_compute_out_wg_bf16`: TMA copies, `wgmma` products, the scores computed in the same
+    /// kernel) rather than on 3a and the pair kernel: in [`Variant::V3`] (the default, unless
+    /// [`GpuConfig::no_wg_out`]) on a Hopper device (`sm_90a`), where the bf16 kernels serve
+    /// ([`Gpu::runs_bf16`]) and the shape is one it serves: headdim 64, dstate 128, chunks of 128
+    /// or 256 tokens, no `seq_idx` (`seq_idx`: whether the problem has one), an even number of
+    /// heads per group.
+    pub fn runs_wg_out(&self, dims: &Dims, options: &Options, seq_idx: bool) -> bool {
+        let q = options.chunk_size;
+        self.config.variant == Variant::V3
+            && !self.config.no_wg_out
+            && self.target == "sm_90a"
+            && !seq_idx
+            && dims.headdim == 64
+            && dims.dstate == 128
+            && (q == 128 || q == 256)
+            && dims.ngroups > 0
+            && (dims.nheads / dims.ngroups).is_multiple_of(2)
+            && dims
+                .batch
+                .checked_mul(dims.nchunks(q))
+                .and_then(|v| v.checked_mul(dims.nheads))
+                .is_some_and(|v| v <= i32::MAX as usize)
+            && dims
+                .seqlen
+                .checked_add(q)
+                .is_some_and(|v| v <= i32::MAX as usize)
+            && self.fits(Kernel::ComputeOutWgBf16, dims.dstate)
+            && self.runs_bf16(dims, options)
     }
 
     /// Whether bf16 activations run on the bf16 kernels for `dims` with `options` (else

@@ -8,7 +8,8 @@
 //!
 //! Without a GPU these tests print "skipped: no CUDA device" and pass; `SSD_REQUIRE_GPU=1`
 //! makes that a failure. `SSD_GPU_BF16_CASES` sets the number of fuzz cases (default 2000),
-//! `SSD_GPU_BF16_PAIR_CASES` those on the bf16 kernels' shapes (default 2000), `SSD_GPU_SEED`
+//! `SSD_GPU_BF16_PAIR_CASES` those on the bf16 kernels' shapes (default 2000),
+//! `SSD_GPU_BF16_WG_CASES` those on the Hopper output kernel's shapes (default 2000), `SSD_GPU_SEED`
 //! the first seed.
 
 mod gpu_support;
@@ -76,6 +77,58 @@ fn gpu_bf16_kernel_shapes() {
     );
 }
 
+/// A spec the Hopper output kernel serves (`Gpu::runs_wg_out`): headdim 64, dstate 128, chunks
+/// of 128 or 256 tokens, no seq_idx, 2 or 4 heads per group, every other option drawn.
+fn wg_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
+    let mut spec = random_spec(rng, 4_000_000);
+    let ngroups = rng.range(1, 2);
+    let nheads = ngroups * rng.pick(&[2usize, 4]);
+    let chunk = rng.pick(&[128usize, 256]);
+    spec.dims = Dims::new(
+        rng.range(1, 2),
+        rng.range(65, 700),
+        nheads,
+        64,
+        ngroups,
+        128,
+    );
+    spec.options.chunk_size = chunk;
+    spec.seq_idx = SeqIdx::None;
+    spec
+}
+
+#[test]
+fn gpu_bf16_hopper_output_kernel_shapes() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_hopper_output_kernel_shapes") else {
+        return;
+    };
+    let specs = draw_specs(
+        env_usize("SSD_GPU_BF16_WG_CASES", 2000),
+        0xBF3_0000,
+        15_000_000,
+        wg_kernel_spec,
+    );
+    println!("bf16 Hopper output kernel shapes: {}", coverage(&specs));
+    run_served_cases(
+        "bf16 Hopper output kernel shapes",
+        &gpus,
+        &specs,
+        Io::Bf16,
+        "Hopper output kernel",
+        |gpu, s| gpu.runs_wg_out(&s.dims, &s.options, s.seq_idx != SeqIdx::None),
+    );
+    // The same cases with the persistent grid capped at 3 blocks: each block then walks up to
+    // a few dozen items, through every ring slot and both halves of the per-item buffers.
+    run_served_cases(
+        "bf16 Hopper output kernel shapes, 3 persistent blocks",
+        &capped_gpu("gpu_bf16_hopper_output_kernel_shapes", 3),
+        &specs,
+        Io::Bf16,
+        "Hopper output kernel",
+        |gpu, s| gpu.runs_wg_out(&s.dims, &s.options, s.seq_idx != SeqIdx::None),
+    );
+}
+
 #[test]
 fn gpu_bf16_chained_matches_stage_by_stage() {
     let Some(gpus) = gpus_or_skip("gpu_bf16_chained_matches_stage_by_stage") else {
@@ -127,6 +180,41 @@ fn gpu_bf16_sanitizer_shapes() {
         &run_cases(&gpus, &specs, Io::Bf16),
         specs.len(),
     );
+    // The Hopper output kernel's shapes with its persistent grid capped at 2 blocks, so that
+    // each block walks several items (24 and 16 here): every option, then a ragged last chunk.
+    let mut wg = vec![
+        ProblemSpec::full(Dims::new(2, 700, 4, 64, 2, 128), 128),
+        ProblemSpec::full(Dims::new(1, 1000, 8, 64, 2, 128), 256),
+    ];
+    for s in &mut wg {
+        s.seq_idx = SeqIdx::None;
+    }
+    let wg: Vec<(ProblemSpec, u64)> = wg.into_iter().zip(320..).collect();
+    let capped = capped_gpu("gpu_bf16_sanitizer_shapes", 2);
+    if wg
+        .iter()
+        .all(|(s, _)| capped[0].1.runs_wg_out(&s.dims, &s.options, false))
+    {
+        report(
+            "bf16 sanitizer shapes, Hopper output kernel, 2 persistent blocks",
+            &run_cases(&capped, &wg, Io::Bf16),
+            wg.len(),
+        );
+    } else {
+        println!(
+            "bf16 sanitizer shapes: skipped the Hopper output kernel's: this device runs none"
+        );
+    }
+}
+
+/// Every element of every output is written by the forward, on every variant (the coverage
+/// `Gpu::alloc_outputs` relies on): outputs filled with NaN beforehand keep none.
+#[test]
+fn gpu_bf16_outputs_are_fully_written() {
+    let Some(gpus) = gpus_or_skip("gpu_bf16_outputs_are_fully_written") else {
+        return;
+    };
+    assert_fully_written(&gpus, &bf16_sanitizer_specs(), Io::Bf16);
 }
 
 #[test]
@@ -138,6 +226,10 @@ fn gpu_bf16_is_bitwise_reproducible() {
     let mut specs: Vec<ProblemSpec> = (0..4).map(|_| bf16_kernel_spec(&mut rng)).collect();
     specs.extend((0..2).map(|_| random_spec(&mut rng, 4_000_000)));
     specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
+    // The same without seq_idx: the Hopper output kernel's shape.
+    let mut wg = ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256);
+    wg.seq_idx = SeqIdx::None;
+    specs.push(wg);
     let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(600..).collect();
     assert_reproducible(&gpus, &specs, Io::Bf16);
 }

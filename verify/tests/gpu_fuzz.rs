@@ -100,6 +100,16 @@ fn gpu_sanitizer_shapes() {
     );
 }
 
+/// Every element of every output is written by the forward, on every variant (the coverage
+/// `Gpu::alloc_outputs` relies on): outputs filled with NaN beforehand keep none.
+#[test]
+fn gpu_outputs_are_fully_written() {
+    let Some(gpus) = gpus_or_skip("gpu_outputs_are_fully_written") else {
+        return;
+    };
+    assert_fully_written(&gpus, &sanitizer_specs(), Io::F32);
+}
+
 #[test]
 fn gpu_is_bitwise_reproducible() {
     let Some(gpus) = gpus_or_skip("gpu_is_bitwise_reproducible") else {

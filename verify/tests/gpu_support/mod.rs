@@ -57,6 +57,22 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<(Variant, Arc<Gpu>)>> {
     )
 }
 
+/// The default variant with the persistent kernels' grid capped at `blocks`
+/// (`GpuConfig::persistent_blocks`), so that each block walks many work items even on small
+/// shapes.
+pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
+    let config = GpuConfig {
+        persistent_blocks: Some(blocks),
+        ..GpuConfig::variant(Variant::V3)
+    };
+    match ssd_gpu::gpu_for(config) {
+        Ok(g) => vec![(Variant::V3, g)],
+        Err(e) => {
+            panic!("{test}: the GPU could not be set up with {blocks} persistent blocks: {e}")
+        }
+    }
+}
+
 /// A summary label for `variant`: `label` for the default, `label [variant]` for the others.
 pub fn variant_label(label: &str, variant: Variant) -> String {
     if variant == Variant::default() {
@@ -487,4 +503,75 @@ pub fn bits(o: &ssd_reference::ChunkedOutput<f32>) -> Vec<u32> {
 fn say_out_loud(line: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The outputs' elements that a forward leaves unwritten: every output buffer is filled with
+/// NaN before the forward (`out` in `T`, the rest f32; the processed `dt` too), and the NaN that
+/// remain afterwards are counted, per buffer. The reference has no NaN on these problems, and
+/// the kernels never produce one from finite inputs, so a NaN left is an element that no kernel
+/// wrote (the coverage `Gpu::alloc_outputs` promises). Returns "buffer: count (first at flat
+/// index)" for each buffer with any.
+pub fn unwritten<T: IoElement>(
+    gpu: &Gpu,
+    inputs: &DeviceInputs<T>,
+) -> Result<Vec<String>, GpuError> {
+    let s = gpu.stream();
+    let mut o = gpu.alloc_outputs::<T>(&inputs.dims, &inputs.options)?;
+    let nan = |n: usize| vec![f32::NAN; n];
+    s.memcpy_htod(T::from_f32_slice(&nan(o.out.len())).as_ref(), &mut o.out)?;
+    for b in [
+        &mut o.final_states,
+        &mut o.dA_cumsum,
+        &mut o.dt,
+        &mut o.chunk_states,
+    ] {
+        s.memcpy_htod(&nan(b.len()), b)?;
+    }
+    gpu.forward_into(inputs, &mut o)?;
+    let out: Vec<f32> = s.clone_dtoh(&o.out)?.into_iter().map(T::to_f32).collect();
+    let rest = [
+        ("final_states", s.clone_dtoh(&o.final_states)?),
+        ("dA_cumsum", s.clone_dtoh(&o.dA_cumsum)?),
+        ("dt (processed)", s.clone_dtoh(&o.dt)?),
+        ("chunk_states", s.clone_dtoh(&o.chunk_states)?),
+    ];
+    gpu.synchronize()?;
+    Ok(std::iter::once(("out", out))
+        .chain(rest)
+        .filter_map(|(name, v)| {
+            let first = v.iter().position(|x| x.is_nan())?;
+            let n = v.iter().filter(|x| x.is_nan()).count();
+            Some(format!(
+                "{name}: {n} of {} unwritten (first at flat index {first})",
+                v.len()
+            ))
+        })
+        .collect())
+}
+
+/// Runs [`unwritten`] on every spec under every variant, with activations in `io`, and fails
+/// listing each (variant, case, buffer) that kept a NaN.
+pub fn assert_fully_written(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)], io: Io) {
+    let mut failures = Vec::new();
+    for (spec, seed) in specs {
+        let (p32, _) = io.problems(&random_problem(spec, *seed).expect("valid spec"));
+        for (variant, gpu) in gpus {
+            let left = match io {
+                Io::F32 => unwritten(gpu, &gpu.upload(&p32).expect("upload")),
+                Io::Bf16 => unwritten(gpu, &gpu.upload_bf16(&p32).expect("upload")),
+            }
+            .unwrap_or_else(|e| panic!("GPU ({variant:?}, {io:?}) failed: {e}"));
+            failures.extend(
+                left.into_iter()
+                    .map(|l| format!("{variant:?} {io:?} {}: {l}", describe(spec, *seed))),
+            );
+        }
+    }
+    println!(
+        "fully written {io:?}: {} cases x {} variants, {} buffers with unwritten elements",
+        specs.len(),
+        gpus.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
