@@ -202,7 +202,7 @@ fn gpu_bf16_sanitizer_shapes() {
         );
     } else {
         println!(
-            "bf16 sanitizer shapes: skipped the Hopper output kernel's: this device runs none"
+            "bf16 sanitizer shapes: skipped the Hopper output kernel's: not run here (not a Hopper device, or SSD_GPU_WG=0)"
         );
     }
 }

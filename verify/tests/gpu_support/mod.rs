@@ -38,6 +38,17 @@ pub fn gpu_or_skip(test: &str) -> Option<Arc<Gpu>> {
     }
 }
 
+/// Device 0 with `variant`, and `SSD_GPU_WG=0` honoured ([`GpuConfig::no_wg_out`]: the Hopper
+/// bf16 output kernel off). The GPU bundle's initcheck run sets it: the tool does not count
+/// that kernel's TMA stores of `out` as writes, and reports each stored byte as uninitialised
+/// when `out` is copied back; [`assert_fully_written`] shows them written instead.
+pub fn variant_config(variant: Variant) -> GpuConfig {
+    GpuConfig {
+        no_wg_out: GpuConfig::from_env().no_wg_out,
+        ..GpuConfig::variant(variant)
+    }
+}
+
 /// One device per kernel variant ([`Variant::ALL`], the default first), so that a test runs
 /// every variant in one process; `None` after printing why the test is skipped (as
 /// [`gpu_or_skip`]).
@@ -49,7 +60,7 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<(Variant, Arc<Gpu>)>> {
     Some(
         Variant::ALL
             .into_iter()
-            .map(|v| match ssd_gpu::gpu_for(GpuConfig::variant(v)) {
+            .map(|v| match ssd_gpu::gpu_for(variant_config(v)) {
                 Ok(g) => (v, g),
                 Err(e) => panic!("{test}: the GPU could not be set up for {v:?}: {e}"),
             })
@@ -63,7 +74,7 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<(Variant, Arc<Gpu>)>> {
 pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
     let config = GpuConfig {
         persistent_blocks: Some(blocks),
-        ..GpuConfig::variant(Variant::V3)
+        ..variant_config(Variant::V3)
     };
     match ssd_gpu::gpu_for(config) {
         Ok(g) => vec![(Variant::V3, g)],
