@@ -48,29 +48,19 @@
 // Shared memory: ComputeOutWgBf16Smem, every tile 8 KB and 1024-byte aligned (the swizzle's
 // atom), the block's base aligned up to 1024 bytes at run time (the layout adds the slack).
 //
-// Forms (versions 52, 56 to 58, docs/perf-history.md), chosen by defining these before the
-// include (NVRTC options, e.g. through SSD_NVRTC_OPTIONS, docs/gpu.md): WGO_CBUF 1 or 2 per-item buffers, WGO_STAGES ring slots,
-// WGO_OUTH staging tiles per consumer warpgroup, WGO_COLF 1 for the off-diagonal column factors
-// computed by the producer; WGO_DIAG_NODECAY drops the decay's exponentials (wrong results:
-// timing only). A timing-only form must keep every product's result alive: ptxas removes the
-// products (and the decay feeding them) whose accumulators reach no memory.
+// Sizes that can be set before the include (NVRTC options, e.g. through SSD_NVRTC_OPTIONS,
+// docs/gpu.md): WGO_CBUF 1 or 2 per-item buffers, WGO_STAGES ring slots, WGO_OUTH staging tiles
+// per consumer warpgroup. The forms that versions 52 to 57 tried and did not keep (the decay's
+// form chosen per fragment, the producer's column factors, a timing-only decay) are in the
+// history (docs/perf-history.md), with the commits that hold them. A timing-only form must keep
+// every product's result alive: ptxas removes the products (and the decay feeding them) whose
+// accumulators reach no memory.
 #define WGO_TILES 4  // token tiles of 64 per chunk, at most
 #ifndef WGO_STAGES
 #define WGO_STAGES 2  // ring slots
 #endif
 #ifndef WGO_OUTH
 #define WGO_OUTH 1  // staging tiles of out per consumer warpgroup
-#endif
-#ifndef WGO_COLF
-#define WGO_COLF 0  // off-diagonal column factors staged by the producer
-#endif
-#ifndef WGO_HOIST
-// 1: the decay's form (diagonal tile or not) chosen once per visit, outside the fragment loops
-// (version 58, the default); 0: per fragment, as version 56 did (slower, docs/perf-history.md).
-#define WGO_HOIST 1
-#endif
-#if WGO_HOIST && (WGO_COLF || defined(WGO_DIAG_NODECAY))
-#error "WGO_HOIST has neither the producer's column factors nor the timing-only decay"
 #endif
 // Every consumer thread arrives on `empty` and `cempty` (each mbarrier arrive releases its own
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
@@ -87,10 +77,6 @@ struct ComputeOutWgBf16Smem {
     float csl[WGO_CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
                                           // (-inf past the chunk's end)
     float dt[WGO_CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
-#if WGO_COLF
-    float colf[WGO_CBUF][2][3][192];  // [item parity][head][row tile r - 1][token j < 64 r]:
-                                      // 2^(csl[64 r - 1] - csl_j) dt'_j
-#endif
     unsigned long long full[WGO_STAGES], empty[WGO_STAGES], cfull[WGO_CBUF], cempty[WGO_CBUF];
 };
 static_assert(sizeof(bf16_t) * 64 * 64 == 8192, "8 KB tiles, each 1024-byte aligned in the struct");
@@ -279,15 +265,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     sm.csl[par][hh][j] = ok ? p.dA_cumsum[cb0 + hh * hstride + j] * LOG2E_F : NEG_INF_F;
                     sm.dt[par][hh][j] = ok ? p.dt_out[cb0 + hh * hstride + j] : 0.0f;
                 }
-#if WGO_COLF
-                named_bar_sync(3, 96);
-                for (int e = tid - 32; e < 2 * 3 * 192; e += 96) {
-                    const int hh = e / 576, r = (e % 576) / 192 + 1, j = e % 192;
-                    if (j < 64 * r)
-                        sm.colf[par][hh][r - 1][j] =
-                            ex2_approx(sm.csl[par][hh][64 * r - 1] - sm.csl[par][hh][j]) * sm.dt[par][hh][j];
-                }
-#endif
                 mbar_arrive(cfull);
             }
         }
@@ -398,7 +375,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 // Both heads' A operands from the scores, column pair by column pair (each score
                 // dies once both are built), then both heads' products in one group.
                 unsigned a[2][4][4];
-#if WGO_HOIST
                 // The decay's form (diagonal tile or not) chosen once here, outside the unrolled
                 // fragment loops (chosen inside them, each of the 16 (column pair, head)
                 // fragments carried its own branch, and ptxas scheduled each alone). DG is a
@@ -433,44 +409,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     build_a(true);
                 else
                     build_a(false);
-#else
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf) {
-                    const int jl = 8 * nf + 2 * q;  // this thread's columns jl, jl + 1 of the tile
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const float2 cj = *reinterpret_cast<const float2*>(&sm.csl[par][hh][64 * j + jl]);
-                        const float2 dj = *reinterpret_cast<const float2*>(&sm.dt[par][hh][64 * j + jl]);
-                        float f[2][2];  // [hf][e]
-#ifdef WGO_DIAG_NODECAY
-                        if (0) {
-#else
-                        if (diag) {
-#endif
-#pragma unroll
-                            for (int hf = 0; hf < 2; ++hf) {
-                                const int il = 16 * w + g + 8 * hf;
-                                f[hf][0] = jl <= il ? ex2_approx(csl[ri][hh][hf] - cj.x) * dj.x : 0.0f;
-                                f[hf][1] = jl + 1 <= il ? ex2_approx(csl[ri][hh][hf] - cj.y) * dj.y : 0.0f;
-                            }
-                        } else {
-#ifdef WGO_DIAG_NODECAY
-                            f[0][0] = f[1][0] = dj.x + cj.x;
-                            f[0][1] = f[1][1] = dj.y + cj.y;
-#elif WGO_COLF
-                            const float2 fj = *reinterpret_cast<const float2*>(&sm.colf[par][hh][r - 1][64 * j + jl]);
-                            f[0][0] = f[1][0] = fj.x;
-                            f[0][1] = f[1][1] = fj.y;
-#else
-                            f[0][0] = f[1][0] = ex2_approx(R[ri][hh] - cj.x) * dj.x;
-                            f[0][1] = f[1][1] = ex2_approx(R[ri][hh] - cj.y) * dj.y;
-#endif
-                        }
-                        a[hh][nf >> 1][2 * (nf & 1)] = pack_bf16x2(sc[nf][0] * f[0][0], sc[nf][1] * f[0][1]);
-                        a[hh][nf >> 1][2 * (nf & 1) + 1] = pack_bf16x2(sc[nf][2] * f[1][0], sc[nf][3] * f[1][1]);
-                    }
-                }
-#endif
                 wgmma_fence();
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
