@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use ssd_gpu::{DeviceInputs, Gpu, GpuConfig, GpuError, IoElement, Variant};
+use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError, IoElement, Variant};
 use ssd_reference::random::{
     random_pair_spec, random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng,
 };
@@ -516,15 +516,16 @@ fn say_out_loud(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// The outputs' elements that a forward leaves unwritten: every output buffer is filled with
-/// NaN before the forward (`out` in `T`, the rest f32; the processed `dt` too), and the NaN that
-/// remain afterwards are counted, per buffer. The reference has no NaN on these problems, and
-/// the kernels never produce one from finite inputs, so a NaN left is an element that no kernel
-/// wrote (the coverage `Gpu::alloc_outputs` promises). Returns "buffer: count (first at flat
-/// index)" for each buffer with any.
+/// The outputs' elements that `run` (the forward, or a part of it) leaves unwritten: every
+/// output buffer is filled with NaN before it (`out` in `T`, the rest f32; the processed `dt`
+/// too), and the NaN that remain afterwards are counted, per buffer. The reference has no NaN
+/// on these problems, and the kernels never produce one from finite inputs, so a NaN left is
+/// an element that no kernel wrote (the coverage `Gpu::alloc_outputs` promises). Returns
+/// "buffer: count of total unwritten (first at flat index)" for each buffer with any.
 pub fn unwritten<T: IoElement>(
     gpu: &Gpu,
     inputs: &DeviceInputs<T>,
+    run: impl FnOnce(&Gpu, &DeviceInputs<T>, &mut DeviceOutputs<T>) -> Result<(), GpuError>,
 ) -> Result<Vec<String>, GpuError> {
     let s = gpu.stream();
     let mut o = gpu.alloc_outputs::<T>(&inputs.dims, &inputs.options)?;
@@ -538,7 +539,7 @@ pub fn unwritten<T: IoElement>(
     ] {
         s.memcpy_htod(&nan(b.len()), b)?;
     }
-    gpu.forward_into(inputs, &mut o)?;
+    run(gpu, inputs, &mut o)?;
     let out: Vec<f32> = s.clone_dtoh(&o.out)?.into_iter().map(T::to_f32).collect();
     let rest = [
         ("final_states", s.clone_dtoh(&o.final_states)?),
@@ -560,18 +561,44 @@ pub fn unwritten<T: IoElement>(
         .collect())
 }
 
+/// [`unwritten`] for `spec`'s problem with activations in `io`, of the forward (`full`) or of
+/// stage 1 alone.
+fn unwritten_io(gpu: &Gpu, spec: &ProblemSpec, seed: u64, io: Io, full: bool) -> Vec<String> {
+    fn on<T: IoElement>(gpu: &Gpu, inputs: &DeviceInputs<T>, full: bool) -> Vec<String> {
+        if full {
+            unwritten(gpu, inputs, Gpu::forward_into)
+        } else {
+            unwritten(gpu, inputs, Gpu::chunk_cumsum)
+        }
+        .unwrap_or_else(|e| panic!("GPU failed: {e}"))
+    }
+    let (p32, _) = io.problems(&random_problem(spec, seed).expect("valid spec"));
+    match io {
+        Io::F32 => on(gpu, &gpu.upload(&p32).expect("upload"), full),
+        Io::Bf16 => on(gpu, &gpu.upload_bf16(&p32).expect("upload"), full),
+    }
+}
+
 /// Runs [`unwritten`] on every spec under every variant, with activations in `io`, and fails
-/// listing each (variant, case, buffer) that kept a NaN.
+/// listing each (variant, case, buffer) that kept a NaN. First its power: on the first spec,
+/// stage 1 alone must leave exactly `out`, `final_states` and `chunk_states` unwritten, and
+/// the check must name those three and no other.
 pub fn assert_fully_written(gpus: &[(Variant, Arc<Gpu>)], specs: &[(ProblemSpec, u64)], io: Io) {
+    let (spec, seed) = &specs[0];
+    let named: Vec<String> = unwritten_io(&gpus[0].1, spec, *seed, io, false)
+        .iter()
+        .map(|l| l.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        named,
+        ["out", "final_states", "chunk_states"],
+        "fully written {io:?}: stage 1 alone should leave exactly these unwritten"
+    );
+    println!("fully written {io:?}, power: stage 1 alone leaves {named:?} unwritten, all named");
     let mut failures = Vec::new();
     for (spec, seed) in specs {
-        let (p32, _) = io.problems(&random_problem(spec, *seed).expect("valid spec"));
         for (variant, gpu) in gpus {
-            let left = match io {
-                Io::F32 => unwritten(gpu, &gpu.upload(&p32).expect("upload")),
-                Io::Bf16 => unwritten(gpu, &gpu.upload_bf16(&p32).expect("upload")),
-            }
-            .unwrap_or_else(|e| panic!("GPU ({variant:?}, {io:?}) failed: {e}"));
+            let left = unwritten_io(gpu, spec, *seed, io, true);
             failures.extend(
                 left.into_iter()
                     .map(|l| format!("{variant:?} {io:?} {}: {l}", describe(spec, *seed))),
