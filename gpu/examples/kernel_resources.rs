@@ -111,8 +111,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // ptxas's warnings (e.g. wgmma products it serialized) go to stderr as they are.
-    for line in log.lines().filter(|l| l.contains("warning")) {
+    // ptxas's warnings and its performance notes (e.g. `(C7510)`-style "Potential Performance
+    // Loss" lines, printed as `info`, which say that it serialized wgmma products) go to stderr
+    // as they are.
+    for line in log
+        .lines()
+        .filter(|l| l.contains("warning") || l.contains("Performance Loss"))
+    {
         eprintln!("{line}");
     }
     let mut kernels = parse(&log);
