@@ -66,6 +66,18 @@
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
 // reporting the consumers' reads of dA_cumsum / dt' against the producer's next writes.
 #define WGO_RELEASERS 256  // arrivals that release a stage or a buffer
+#ifndef WGO_LEAN
+#define WGO_LEAN 0
+#endif
+#ifndef WGO_PIPE
+#define WGO_PIPE 0
+#endif
+#ifndef WGO_PASS
+#define WGO_PASS 0
+#endif
+#ifndef WGO_PREG
+#define WGO_PREG 24
+#endif
 #ifndef WGO_CBUF
 #define WGO_CBUF 2  // per-item buffers (C, dA_cumsum, dt')
 #endif
@@ -139,6 +151,18 @@ __device__ __forceinline__ WgItem wg_item(const ComputeOutWgBf16Params& p, int i
     return w;
 }
 
+// WGO_PASS: an item in passes, each warpgroup one row tile a pass (64 accumulators a head
+// instead of 128): T <= 2, one pass, row wg; T > 2, pass 0 rows T - 1 - wg over all T token
+// tiles, pass 1 rows wg <= T - 3 over the first T - 2. Each pass streams the state stage (if
+// any) and its token tiles again. Without WGO_PASS one pass of both row slots.
+__device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > 2) ? 2 : 1; }
+__device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - 2 : T; }
+__device__ __forceinline__ int wg_pass_row(int T, int pass, int wg) {
+    if (T <= 2) return wg < T ? wg : -1;
+    if (pass == 0) return T - 1 - wg;
+    return wg <= T - 3 ? wg : -1;
+}
+
 // The row tile's epilogue for one head: y = acc + D x_i, the z gate, rounded to bf16 into the
 // staging tile ot (swizzled as the loads). RARE: the form with the z gate or D per channel, each
 // tested at run time inside it; the common form (no z, D per head or none) has neither.
@@ -206,13 +230,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     __syncthreads();
 
     if (tid < 128) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<WGO_PREG>();
         if (tid == 0) {
             // The ring: the states, then (B_j, x_j) for each token tile, item after item.
             unsigned s = 0;
             for (int item = blockIdx.x; item < items; item += gridDim.x) {
                 const WgItem w = wg_item(p, item);
-                const int nst = (w.has_state ? 1 : 0) + w.T;
+                for (int pass = 0; pass < wg_npass(w.T); ++pass) {
+                const int nst = (w.has_state ? 1 : 0) + wg_pass_tiles(w.T, pass);
                 for (int st = 0; st < nst; ++st, ++s) {
                     const unsigned slot = s % WGO_STAGES, n = s / WGO_STAGES;
                     const unsigned full = smem_addr(&sm.full[slot]);
@@ -238,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                             tma_load_3d(smem_addr(&sm.ring[slot][2 + hh][0]), &p.tm_x, (w.h0 + hh) * p.headdim, tok,
                                         w.b, full);
                     }
+                }
                 }
             }
         } else if (tid >= 32) {
@@ -271,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         return;
     }
 
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<(504 - WGO_PREG) / 2>();
     const int wg = tid / 128 - 1;
     const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const unsigned tok_stride_x = (unsigned)(p.nheads * p.headdim);
@@ -280,19 +306,25 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     for (int item = blockIdx.x; item < items; item += gridDim.x, ++it) {
         const WgItem wi = wg_item(p, item);
         const int par = it % WGO_CBUF;
-        // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg.
-        int rows[2];
-        {
-            const int hi = wi.T - 1 - wg;
-            rows[0] = (hi > 1) ? hi : (wg < wi.T ? wg : -1);
-            rows[1] = (hi > 1) ? wg : -1;
-        }
         // D per head of the pair, read before the wait so that its latency hides behind it.
         float dhead[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             dhead[hh] = (p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + hh] : 0.0f;
         mbar_wait(smem_addr(&sm.cfull[par]), (it / WGO_CBUF) & 1);
+        for (int pass = 0; pass < wg_npass(wi.T); ++pass) {
+        const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
+        // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
+        // pass's one row tile, rows[1] = -1 known to the compiler).
+        int rows[2];
+        if (WGO_PASS) {
+            rows[0] = wg_pass_row(wi.T, pass, wg);
+            rows[1] = -1;
+        } else {
+            const int hi = wi.T - 1 - wg;
+            rows[0] = (hi > 1) ? hi : (wg < wi.T ? wg : -1);
+            rows[1] = (hi > 1) ? wg : -1;
+        }
         float R[2][2], csl[2][2][2];  // [row slot][head], [row slot][head][row half]
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
@@ -343,14 +375,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             ++s;
         }
 
-        for (int j = 0; j < wi.T; ++j, ++s) {
+#if WGO_PIPE == 0
+        for (int j = 0; j < TJ; ++j, ++s) {
             const unsigned slot = s % WGO_STAGES;
             mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
             const unsigned long long db = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][0][0]));
 #pragma unroll
             for (int ri = 0; ri < 2; ++ri) {
                 const int r = rows[ri];
-                if (r < j) continue;  // also the absent row tile (-1)
+                if (r < 0 || r < j) continue;  // also the absent row tile (-1)
                 float sc[8][4];
                 wgmma_fence();
                 scores_ss(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
@@ -449,6 +482,187 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             }
             mbar_arrive(smem_addr(&sm.empty[slot]));
         }
+#else
+#if WGO_LEAN
+        // Read where used (shared memory) rather than kept in registers through the item.
+#define RV(ri, hh) (rows[ri] > 0 ? sm.csl[par][hh][64 * rows[ri] - 1] : 0.0f)
+#define CSLV(ri, hh, hf) sm.csl[par][hh][64 * max(rows[ri], 0) + 16 * w + g + 8 * (hf)]
+#define DHV(hh) ((p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + (hh)] : 0.0f)
+#else
+#define RV(ri, hh) R[ri][hh]
+#define CSLV(ri, hh, hf) csl[ri][hh][hf]
+#define DHV(hh) dhead[hh]
+#endif
+        // WGO_PIPE: the units (row slot ri, token tile j) of the item in order, the scores of
+        // the next unit issued before this unit's decay, so that the tensor pipe computes them
+        // while the warpgroup decays (bit 1), and each head's products issued as soon as its A
+        // operand is built, the other head's decay overlapping them (bit 2). sn holds the scores
+        // in flight; a stage is released once its last unit's products are done.
+        float sn[8][4];
+        bool pend = false;      // sn holds (or will hold) the scores of the unit about to run
+        bool next_full = false;  // stage s's `full` was waited for by the prefetch
+        for (int j = 0; j < TJ; ++j, ++s) {
+            const unsigned slot = s % WGO_STAGES;
+            if (!next_full) mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
+            next_full = false;
+            const unsigned long long db = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][0][0]));
+#pragma unroll
+            for (int ri = 0; ri < 2; ++ri) {
+                const int r = rows[ri];
+                if (r < 0 || r < j) continue;  // also the absent row tile (-1)
+                if (!pend) {
+                    wgmma_fence();
+                    scores_ss(sn, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
+                    wgmma_commit();
+                }
+                wgmma_wait<0>();
+                wgmma_hold(sn);
+                wgmma_hold(acc[ri][0]);
+                wgmma_hold(acc[ri][1]);
+                float sc[8][4];
+#pragma unroll
+                for (int nf = 0; nf < 8; ++nf)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sc[nf][e] = sn[nf][e];
+                pend = false;
+#if WGO_PIPE & 1
+                {
+                    // The next unit: the other row slot at this tile, else row slot 0 at the
+                    // next tile (rows[0] >= rows[1]), whose stage's `full` is waited for here.
+                    int rn = -1;
+                    unsigned long long dbn = db;
+                    if (ri == 0 && rows[1] >= 0 && rows[1] >= j) {
+                        rn = rows[1];
+                    } else if (j + 1 < TJ && rows[0] >= j + 1) {
+                        rn = rows[0];
+                        const unsigned sl = (s + 1) % WGO_STAGES;
+                        mbar_wait(smem_addr(&sm.full[sl]), ((s + 1) / WGO_STAGES) & 1);
+                        next_full = true;
+                        dbn = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[sl][0][0]));
+                    }
+                    if (rn >= 0) {
+                        wgmma_fence();
+                        scores_ss(sn, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][rn][0][0])), dbn);
+                        wgmma_commit();
+                        pend = true;
+                    }
+                }
+#endif
+                const bool diag = r == j;
+                if (diag) {
+                    // Everything so far takes its row factor 2^(csl_i - R) (0 past the chunk's end).
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const float f = ex2_approx(CSLV(ri, hh, hf) - RV(ri, hh));
+#pragma unroll
+                            for (int nf = 0; nf < 8; ++nf) {
+                                acc[ri][hh][nf][2 * hf] *= f;
+                                acc[ri][hh][nf][2 * hf + 1] *= f;
+                            }
+                        }
+                }
+                unsigned a[2][4][4];
+                // Head hh's A operand from the scores; the decay's form (diagonal tile or not)
+                // a constant at each call.
+                // Head hh's A operand (or both heads', hh = -1, column pair by column pair, so that
+                // each score dies once both are built) from the scores; the decay's form (diagonal
+                // tile or not) a constant at each call.
+                const auto build_a = [&](const bool DG, const int hsel) {
+#pragma unroll
+                    for (int nf = 0; nf < 8; ++nf) {
+                        const int jl = 8 * nf + 2 * q;  // this thread's columns jl, jl + 1
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            if (hsel >= 0 && hh != hsel) continue;
+                            const float2 cj = *reinterpret_cast<const float2*>(&sm.csl[par][hh][64 * j + jl]);
+                            const float2 dj = *reinterpret_cast<const float2*>(&sm.dt[par][hh][64 * j + jl]);
+                            float f[2][2];  // [hf][e]
+                            if (DG) {
+#pragma unroll
+                                for (int hf = 0; hf < 2; ++hf) {
+                                    const int il = 16 * w + g + 8 * hf;
+                                    f[hf][0] = jl <= il ? ex2_approx(CSLV(ri, hh, hf) - cj.x) * dj.x : 0.0f;
+                                    f[hf][1] = jl + 1 <= il ? ex2_approx(CSLV(ri, hh, hf) - cj.y) * dj.y : 0.0f;
+                                }
+                            } else {
+                                f[0][0] = f[1][0] = ex2_approx(RV(ri, hh) - cj.x) * dj.x;
+                                f[0][1] = f[1][1] = ex2_approx(RV(ri, hh) - cj.y) * dj.y;
+                            }
+                            a[hh][nf >> 1][2 * (nf & 1)] = pack_bf16x2(sc[nf][0] * f[0][0], sc[nf][1] * f[0][1]);
+                            a[hh][nf >> 1][2 * (nf & 1) + 1] =
+                                pack_bf16x2(sc[nf][2] * f[1][0], sc[nf][3] * f[1][1]);
+                        }
+                    }
+                };
+                const auto products = [&](const int hh) {
+                    const unsigned long long dx = wgmma_desc_nmajor_sw128(smem_addr(&sm.ring[slot][2 + hh][0]));
+#pragma unroll
+                    for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs_nmajor(acc[ri][hh], a[hh][ks], dx + (2048 * ks >> 4));
+                };
+#if WGO_PIPE & 2
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    if (diag)
+                        build_a(true, hh);
+                    else
+                        build_a(false, hh);
+                    wgmma_fence();
+                    products(hh);
+                    wgmma_commit();
+                }
+#else
+                if (diag)
+                    build_a(true, -1);
+                else
+                    build_a(false, -1);
+                wgmma_fence();
+                products(0);
+                products(1);
+                wgmma_commit();
+#endif
+                if (!diag) continue;
+                wgmma_wait<0>();
+                wgmma_hold(acc[ri][0]);
+                wgmma_hold(acc[ri][1]);
+                wgmma_hold(sn);
+                // The row tile is complete: the epilogue, as in the form above.
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int h = wi.h0 + hh;
+                    const char* xt = reinterpret_cast<const char*>(&sm.ring[slot][2 + hh][0]);
+                    char* ot = reinterpret_cast<char*>(&sm.o[wg][hh % WGO_OUTH][0]);
+                    const float dh = DHV(hh);
+                    if (tid % 128 == 0) bulk_wait_read<WGO_OUTH - 1>();
+                    named_bar_sync(1 + wg, 128);
+                    if (p.z == nullptr && !(p.Dv != nullptr && p.d_per_channel))
+                        wg_epilogue<false>(p, acc[ri][hh], xt, ot, dh, h, w, g, q, 64 * r, wi, tok_stride_x);
+                    else
+                        wg_epilogue<true>(p, acc[ri][hh], xt, ot, dh, h, w, g, q, 64 * r, wi, tok_stride_x);
+                    fence_proxy_async_smem();
+                    named_bar_sync(1 + wg, 128);
+                    if (tid % 128 == 0) {
+                        tma_store_3d(&p.tm_out, smem_addr(ot), h * p.headdim, (int)wi.t0 + 64 * r, wi.b);
+                        bulk_commit();
+                    }
+                }
+            }
+            // This stage's products (and the prefetched scores) are done before it is released.
+            wgmma_wait<0>();
+#pragma unroll
+            for (int ri = 0; ri < (WGO_PASS ? 1 : 2); ++ri) {
+                wgmma_hold(acc[ri][0]);
+                wgmma_hold(acc[ri][1]);
+            }
+            wgmma_hold(sn);
+            mbar_arrive(smem_addr(&sm.empty[slot]));
+        }
+#undef RV
+#undef CSLV
+#undef DHV
+#endif
+        }  // pass
         mbar_arrive(smem_addr(&sm.cempty[par]));
     }
     // The last stores must have read their staging tiles before the block's shared memory goes.
