@@ -50,11 +50,19 @@
 //
 // Sizes that can be set before the include (NVRTC options, e.g. through SSD_NVRTC_OPTIONS,
 // docs/gpu.md): WGO_CBUF 1 or 2 per-item buffers, WGO_STAGES ring slots, WGO_OUTH staging tiles
-// per consumer warpgroup. The forms that versions 52 to 57 tried and did not keep (the decay's
-// form chosen per fragment, the producer's column factors, a timing-only decay) are in the
-// history (docs/perf-history.md), with the commits that hold them. A timing-only form must keep
-// every product's result alive: ptxas removes the products (and the decay feeding them) whose
-// accumulators reach no memory.
+// per consumer warpgroup; WGO_PASS 1 walks an item in passes, one row tile per consumer
+// warpgroup a pass (wg_pass_row below; 64 accumulators a head instead of 128, the state stage
+// and the first token tiles streamed again); WGO_PREF 1 (with WGO_PASS) issues each visit's
+// next scores before its decay (best with WGO_STAGES 3 and WGO_CBUF 1, so that the next
+// stage is loaded while two are in use). Neither is yet timed on a device in this form; both
+// compile without a ptxas performance note. The forms
+// that versions 52 to 59 tried and did not keep (the decay's form chosen per fragment, the
+// producer's column factors, a timing-only decay, the next unit's scores issued before the
+// decay) are in the history (docs/perf-history.md), with the commits that hold them. A
+// timing-only form must keep every product's result alive: ptxas removes the products (and the
+// decay feeding them) whose accumulators reach no memory. A form must also compile without
+// ptxas's "Potential Performance Loss" note (scripts/kernel-resources.sh prints it): with it
+// ptxas waits after every product, which no timing reveals by itself.
 #define WGO_TILES 4  // token tiles of 64 per chunk, at most
 #ifndef WGO_STAGES
 #define WGO_STAGES 2  // ring slots
@@ -66,18 +74,14 @@
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
 // reporting the consumers' reads of dA_cumsum / dt' against the producer's next writes.
 #define WGO_RELEASERS 256  // arrivals that release a stage or a buffer
-#ifndef WGO_LEAN
-#define WGO_LEAN 0
-#endif
-#ifndef WGO_PIPE
-#define WGO_PIPE 0
-#endif
 #ifndef WGO_PASS
 #define WGO_PASS 0
 #endif
-#ifndef WGO_PREG
-#define WGO_PREG 24
+#ifndef WGO_PREF
+#define WGO_PREF 0
 #endif
+// Row slots a consumer warpgroup holds accumulators for: 2, or 1 in passes.
+#define NSLOT (WGO_PASS ? 1 : 2)
 #ifndef WGO_CBUF
 #define WGO_CBUF 2  // per-item buffers (C, dA_cumsum, dt')
 #endif
@@ -230,40 +234,40 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     __syncthreads();
 
     if (tid < 128) {
-        setmaxnreg_dec<WGO_PREG>();
+        setmaxnreg_dec<24>();
         if (tid == 0) {
             // The ring: the states, then (B_j, x_j) for each token tile, item after item.
             unsigned s = 0;
             for (int item = blockIdx.x; item < items; item += gridDim.x) {
                 const WgItem w = wg_item(p, item);
                 for (int pass = 0; pass < wg_npass(w.T); ++pass) {
-                const int nst = (w.has_state ? 1 : 0) + wg_pass_tiles(w.T, pass);
-                for (int st = 0; st < nst; ++st, ++s) {
-                    const unsigned slot = s % WGO_STAGES, n = s / WGO_STAGES;
-                    const unsigned full = smem_addr(&sm.full[slot]);
-                    if (n > 0) mbar_wait(smem_addr(&sm.empty[slot]), (n - 1) & 1);
-                    mbar_expect_tx(full, 4 * TILE);
-                    if (w.has_state && st == 0) {
-                        const int row = (w.b * p.nchunks + w.ch) * p.nheads + w.h0;
+                    const int nst = (w.has_state ? 1 : 0) + wg_pass_tiles(w.T, pass);
+                    for (int st = 0; st < nst; ++st, ++s) {
+                        const unsigned slot = s % WGO_STAGES, n = s / WGO_STAGES;
+                        const unsigned full = smem_addr(&sm.full[slot]);
+                        if (n > 0) mbar_wait(smem_addr(&sm.empty[slot]), (n - 1) & 1);
+                        mbar_expect_tx(full, 4 * TILE);
+                        if (w.has_state && st == 0) {
+                            const int row = (w.b * p.nchunks + w.ch) * p.nheads + w.h0;
 #pragma unroll
-                        for (int hh = 0; hh < 2; ++hh)
+                            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                                for (int k = 0; k < 2; ++k)
+                                    tma_load_3d(smem_addr(&sm.ring[slot][2 * hh + k][0]), &p.tm_s, 64 * k, 0, row + hh,
+                                                full);
+                        } else {
+                            const int j = st - (w.has_state ? 1 : 0);
+                            const int tok = (int)w.t0 + 64 * j;
 #pragma unroll
                             for (int k = 0; k < 2; ++k)
-                                tma_load_3d(smem_addr(&sm.ring[slot][2 * hh + k][0]), &p.tm_s, 64 * k, 0, row + hh,
-                                            full);
-                    } else {
-                        const int j = st - (w.has_state ? 1 : 0);
-                        const int tok = (int)w.t0 + 64 * j;
+                                tma_load_3d(smem_addr(&sm.ring[slot][k][0]), &p.tm_b, w.grp * p.dstate + 64 * k, tok,
+                                            w.b, full);
 #pragma unroll
-                        for (int k = 0; k < 2; ++k)
-                            tma_load_3d(smem_addr(&sm.ring[slot][k][0]), &p.tm_b, w.grp * p.dstate + 64 * k, tok,
-                                        w.b, full);
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh)
-                            tma_load_3d(smem_addr(&sm.ring[slot][2 + hh][0]), &p.tm_x, (w.h0 + hh) * p.headdim, tok,
-                                        w.b, full);
+                            for (int hh = 0; hh < 2; ++hh)
+                                tma_load_3d(smem_addr(&sm.ring[slot][2 + hh][0]), &p.tm_x, (w.h0 + hh) * p.headdim, tok,
+                                            w.b, full);
+                        }
                     }
-                }
                 }
             }
         } else if (tid >= 32) {
@@ -297,8 +301,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         return;
     }
 
-    setmaxnreg_inc<(504 - WGO_PREG) / 2>();
+    setmaxnreg_inc<240>();
+#if WGO_PREF
+    // Through a shuffle, so that ptxas takes the branches on the row tile as warp-uniform (taken
+    // as divergent, it serializes the products in flight across them: (C7518)).
+    const int wg = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+#else
     const int wg = tid / 128 - 1;
+#endif
     const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const unsigned tok_stride_x = (unsigned)(p.nheads * p.headdim);
     unsigned s = 0;
@@ -313,135 +323,127 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             dhead[hh] = (p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + hh] : 0.0f;
         mbar_wait(smem_addr(&sm.cfull[par]), (it / WGO_CBUF) & 1);
         for (int pass = 0; pass < wg_npass(wi.T); ++pass) {
-        const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
-        // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
-        // pass's one row tile, rows[1] = -1 known to the compiler).
-        int rows[2];
-        if (WGO_PASS) {
-            rows[0] = wg_pass_row(wi.T, pass, wg);
-            rows[1] = -1;
-        } else {
-            const int hi = wi.T - 1 - wg;
-            rows[0] = (hi > 1) ? hi : (wg < wi.T ? wg : -1);
-            rows[1] = (hi > 1) ? wg : -1;
-        }
-        float R[2][2], csl[2][2][2];  // [row slot][head], [row slot][head][row half]
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-            const int r = max(rows[ri], 0);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                R[ri][hh] = r > 0 ? sm.csl[par][hh][64 * r - 1] : 0.0f;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) csl[ri][hh][hf] = sm.csl[par][hh][64 * r + 16 * w + g + 8 * hf];
+            const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
+            // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
+            // pass's one row tile, rows[1] = -1 known to the compiler).
+            int rows[2];
+            if (WGO_PASS) {
+                rows[0] = wg_pass_row(wi.T, pass, wg);
+                rows[1] = -1;
+            } else {
+                const int hi = wi.T - 1 - wg;
+                rows[0] = (hi > 1) ? hi : (wg < wi.T ? wg : -1);
+                rows[1] = (hi > 1) ? wg : -1;
             }
-        }
-        float acc[2][2][8][4];  // [row slot][head]
+            float R[NSLOT][2], csl[NSLOT][2][2];  // [row slot][head], [row slot][head][row half]
 #pragma unroll
-        for (int ri = 0; ri < 2; ++ri)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[ri][hh][nf][e] = 0.0f;
-
-        if (wi.has_state) {
-            // The state stage: acc = C_r bf16(S_h)^T 2^R.
-            const unsigned slot = s % WGO_STAGES;
-            mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
-#pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                if (rows[ri] < 0) continue;
-                const unsigned long long dc = wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][rows[ri]][0][0]));
-                wgmma_fence();
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh)
-                    scores_ss(acc[ri][hh], dc, wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][2 * hh][0])));
-                wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
+            for (int ri = 0; ri < NSLOT; ++ri) {
+                const int r = max(rows[ri], 0);
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const float f = ex2_approx(R[ri][hh]);
+                    R[ri][hh] = r > 0 ? sm.csl[par][hh][64 * r - 1] : 0.0f;
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) csl[ri][hh][hf] = sm.csl[par][hh][64 * r + 16 * w + g + 8 * hf];
+                }
+            }
+            float acc[NSLOT][2][8][4];  // [row slot][head]
+#pragma unroll
+            for (int ri = 0; ri < NSLOT; ++ri)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
                     for (int nf = 0; nf < 8; ++nf)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[ri][hh][nf][e] *= f;
-                }
-            }
-            mbar_arrive(smem_addr(&sm.empty[slot]));
-            ++s;
-        }
-
-#if WGO_PIPE == 0
-        for (int j = 0; j < TJ; ++j, ++s) {
-            const unsigned slot = s % WGO_STAGES;
-            mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
-            const unsigned long long db = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][0][0]));
+                        for (int e = 0; e < 4; ++e) acc[ri][hh][nf][e] = 0.0f;
+#if WGO_PREF
+            // The zeros in place before any product is issued: NVVM otherwise sinks the moves of
+            // one head's zeros between the other head's state products, inside their pipeline
+            // stage (C7515).
 #pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                const int r = rows[ri];
-                if (r < 0 || r < j) continue;  // also the absent row tile (-1)
-                float sc[8][4];
-                wgmma_fence();
-                scores_ss(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
-                wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_hold(sc);
-                const bool diag = r == j;
-                if (diag) {
-                    // Everything so far takes its row factor 2^(csl_i - R) (0 past the chunk's end).
+            for (int ri = 0; ri < NSLOT; ++ri) {
+                wgmma_hold(acc[ri][0]);
+                wgmma_hold(acc[ri][1]);
+            }
+#endif
+
+            if (wi.has_state) {
+                // The state stage: acc = C_r bf16(S_h)^T 2^R.
+                const unsigned slot = s % WGO_STAGES;
+                mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
+#pragma unroll
+                for (int ri = 0; ri < NSLOT; ++ri) {
+                    if (rows[ri] < 0) continue;
+                    const unsigned long long dc = wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][rows[ri]][0][0]));
+                    wgmma_fence();
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh)
+                        scores_ss(acc[ri][hh], dc, wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][2 * hh][0])));
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    wgmma_hold(acc[ri][0]);
+                    wgmma_hold(acc[ri][1]);
 #pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            const float f = ex2_approx(csl[ri][hh][hf] - R[ri][hh]);
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const float f = ex2_approx(R[ri][hh]);
 #pragma unroll
-                            for (int nf = 0; nf < 8; ++nf) {
-                                acc[ri][hh][nf][2 * hf] *= f;
-                                acc[ri][hh][nf][2 * hf + 1] *= f;
-                            }
-                        }
+                        for (int nf = 0; nf < 8; ++nf)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc[ri][hh][nf][e] *= f;
+                    }
                 }
-                // Both heads' A operands from the scores, column pair by column pair (each score
-                // dies once both are built), then both heads' products in one group.
-                unsigned a[2][4][4];
-                // The decay's form (diagonal tile or not) chosen once here, outside the unrolled
-                // fragment loops (chosen inside them, each of the 16 (column pair, head)
-                // fragments carried its own branch, and ptxas scheduled each alone). DG is a
-                // constant at each of the two calls below.
-                const auto build_a = [&](const bool DG) {
+                mbar_arrive(smem_addr(&sm.empty[slot]));
+                ++s;
+            }
+
+            // The pieces of a visit (row slot ri, token tile j), as lambdas over this item and pass.
+            // The row factor 2^(csl_i - R) on the diagonal tile: everything so far takes it (0
+            // past the chunk's end).
+            const auto diag_scale = [&](const int ri) {
 #pragma unroll
-                    for (int nf = 0; nf < 8; ++nf) {
-                        const int jl = 8 * nf + 2 * q;  // this thread's columns jl, jl + 1
+                for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const float2 cj = *reinterpret_cast<const float2*>(&sm.csl[par][hh][64 * j + jl]);
-                            const float2 dj = *reinterpret_cast<const float2*>(&sm.dt[par][hh][64 * j + jl]);
-                            float f[2][2];  // [hf][e]
-                            if (DG) {
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const float f = ex2_approx(csl[ri][hh][hf] - R[ri][hh]);
 #pragma unroll
-                                for (int hf = 0; hf < 2; ++hf) {
-                                    const int il = 16 * w + g + 8 * hf;
-                                    f[hf][0] = jl <= il ? ex2_approx(csl[ri][hh][hf] - cj.x) * dj.x : 0.0f;
-                                    f[hf][1] = jl + 1 <= il ? ex2_approx(csl[ri][hh][hf] - cj.y) * dj.y : 0.0f;
-                                }
-                            } else {
-                                f[0][0] = f[1][0] = ex2_approx(R[ri][hh] - cj.x) * dj.x;
-                                f[0][1] = f[1][1] = ex2_approx(R[ri][hh] - cj.y) * dj.y;
-                            }
-                            a[hh][nf >> 1][2 * (nf & 1)] = pack_bf16x2(sc[nf][0] * f[0][0], sc[nf][1] * f[0][1]);
-                            a[hh][nf >> 1][2 * (nf & 1) + 1] =
-                                pack_bf16x2(sc[nf][2] * f[1][0], sc[nf][3] * f[1][1]);
+                        for (int nf = 0; nf < 8; ++nf) {
+                            acc[ri][hh][nf][2 * hf] *= f;
+                            acc[ri][hh][nf][2 * hf + 1] *= f;
                         }
                     }
-                };
-                if (diag)
-                    build_a(true);
-                else
-                    build_a(false);
+            };
+            // Both heads' A operands from the scores, column pair by column pair (each score dies
+            // once both are built). The decay's form (diagonal tile or not) is DG, a constant at
+            // each call, outside the unrolled fragment loops (chosen inside them, each of the 16
+            // (column pair, head) fragments carried its own branch, and ptxas scheduled each
+            // alone).
+            const auto build_a = [&](const bool DG, const int ri, const int j, const float(&sc)[8][4],
+                                     unsigned(&a)[2][4][4]) {
+#pragma unroll
+                for (int nf = 0; nf < 8; ++nf) {
+                    const int jl = 8 * nf + 2 * q;  // this thread's columns jl, jl + 1
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const float2 cj = *reinterpret_cast<const float2*>(&sm.csl[par][hh][64 * j + jl]);
+                        const float2 dj = *reinterpret_cast<const float2*>(&sm.dt[par][hh][64 * j + jl]);
+                        float f[2][2];  // [hf][e]
+                        if (DG) {
+#pragma unroll
+                            for (int hf = 0; hf < 2; ++hf) {
+                                const int il = 16 * w + g + 8 * hf;
+                                f[hf][0] = jl <= il ? ex2_approx(csl[ri][hh][hf] - cj.x) * dj.x : 0.0f;
+                                f[hf][1] = jl + 1 <= il ? ex2_approx(csl[ri][hh][hf] - cj.y) * dj.y : 0.0f;
+                            }
+                        } else {
+                            f[0][0] = f[1][0] = ex2_approx(R[ri][hh] - cj.x) * dj.x;
+                            f[0][1] = f[1][1] = ex2_approx(R[ri][hh] - cj.y) * dj.y;
+                        }
+                        a[hh][nf >> 1][2 * (nf & 1)] = pack_bf16x2(sc[nf][0] * f[0][0], sc[nf][1] * f[0][1]);
+                        a[hh][nf >> 1][2 * (nf & 1) + 1] = pack_bf16x2(sc[nf][2] * f[1][0], sc[nf][3] * f[1][1]);
+                    }
+                }
+            };
+            // Both heads' products acc += A x_j in one group (issued and committed, not waited).
+            const auto products = [&](const int ri, const unsigned slot, const unsigned(&a)[2][4][4]) {
                 wgmma_fence();
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
@@ -450,13 +452,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs_nmajor(acc[ri][hh], a[hh][ks], dx + (2048 * ks >> 4));
                 }
                 wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
-                if (!diag) continue;
-                // The row tile is complete: y = acc + D x_i, the z gate (y z sigmoid(z), sigmoid
-                // through ex2.approx), rounded to bf16 into this warpgroup's staging tile (the
-                // 128-byte swizzle), stored by TMA (which clips the rows past seqlen).
+            };
+            // The row tile is complete: y = acc + D x_i, the z gate (y z sigmoid(z), sigmoid through
+            // ex2.approx), rounded to bf16 into this warpgroup's staging tile (the 128-byte
+            // swizzle), stored by TMA (which clips the rows past seqlen). x_i is in ring slot slot.
+            const auto finish_row = [&](const int ri, const int r, const unsigned slot) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int h = wi.h0 + hh;
@@ -466,8 +466,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     // The staging tile is free once the copy engine has read the store before.
                     if (tid % 128 == 0) bulk_wait_read<WGO_OUTH - 1>();
                     named_bar_sync(1 + wg, 128);
-                    // The gate and per-channel D chosen once, outside the unrolled loops, so that
-                    // the common form (no z, D per head or none) runs a short straight block.
+                    // The gate and per-channel D chosen once, outside the unrolled loops, so that the
+                    // common form (no z, D per head or none) runs a short straight block.
                     if (p.z == nullptr && !(p.Dv != nullptr && p.d_per_channel))
                         wg_epilogue<false>(p, acc[ri][hh], xt, ot, dh, h, w, g, q, 64 * r, wi, tok_stride_x);
                     else
@@ -479,190 +479,106 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                         bulk_commit();
                     }
                 }
-            }
-            mbar_arrive(smem_addr(&sm.empty[slot]));
-        }
-#else
-#if WGO_LEAN
-        // Read where used (shared memory) rather than kept in registers through the item.
-#define RV(ri, hh) (rows[ri] > 0 ? sm.csl[par][hh][64 * rows[ri] - 1] : 0.0f)
-#define CSLV(ri, hh, hf) sm.csl[par][hh][64 * max(rows[ri], 0) + 16 * w + g + 8 * (hf)]
-#define DHV(hh) ((p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + (hh)] : 0.0f)
-#else
-#define RV(ri, hh) R[ri][hh]
-#define CSLV(ri, hh, hf) csl[ri][hh][hf]
-#define DHV(hh) dhead[hh]
-#endif
-        // WGO_PIPE: the units (row slot ri, token tile j) of the item in order, the scores of
-        // the next unit issued before this unit's decay, so that the tensor pipe computes them
-        // while the warpgroup decays (bit 1), and each head's products issued as soon as its A
-        // operand is built, the other head's decay overlapping them (bit 2). sn holds the scores
-        // in flight; a stage is released once its last unit's products are done.
-        float sn[8][4];
-        bool pend = false;      // sn holds (or will hold) the scores of the unit about to run
-        bool next_full = false;  // stage s's `full` was waited for by the prefetch
-        for (int j = 0; j < TJ; ++j, ++s) {
-            const unsigned slot = s % WGO_STAGES;
-            if (!next_full) mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
-            next_full = false;
-            const unsigned long long db = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][0][0]));
-#pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                const int r = rows[ri];
-                if (r < 0 || r < j) continue;  // also the absent row tile (-1)
-                if (!pend) {
+            };
+
+#if WGO_PASS && WGO_PREF
+            // WGO_PREF (with WGO_PASS, one row tile r a pass): the visits j = 0 .. r of the row
+            // tile, the scores of visit j + 1 issued before visit j's decay into the other of two
+            // score arrays (the loop unrolled, so that no array is copied and no non-wgmma
+            // instruction writes one: a loop back edge with products in flight made ptxas serialize
+            // them, (C7515)), stage j - 1 released once visit j - 1's products
+            // are done. The pass's stages past r are waited for and released.
+            {
+                const int r = rows[0];
+                const unsigned s0 = s;
+                const auto stage = [&](const int j) { return (s0 + j) % WGO_STAGES; };
+                const auto wait_stage = [&](const int j) {
+                    mbar_wait(smem_addr(&sm.full[stage(j)]), ((s0 + j) / WGO_STAGES) & 1);
+                };
+                const auto scores_of = [&](float(&d)[8][4], const int j) {
                     wgmma_fence();
-                    scores_ss(sn, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
+                    scores_ss(d, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])),
+                              wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[stage(j)][0][0])));
                     wgmma_commit();
-                }
-                wgmma_wait<0>();
-                wgmma_hold(sn);
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
-                float sc[8][4];
-#pragma unroll
-                for (int nf = 0; nf < 8; ++nf)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sc[nf][e] = sn[nf][e];
-                pend = false;
-#if WGO_PIPE & 1
-                {
-                    // The next unit: the other row slot at this tile, else row slot 0 at the
-                    // next tile (rows[0] >= rows[1]), whose stage's `full` is waited for here.
-                    int rn = -1;
-                    unsigned long long dbn = db;
-                    if (ri == 0 && rows[1] >= 0 && rows[1] >= j) {
-                        rn = rows[1];
-                    } else if (j + 1 < TJ && rows[0] >= j + 1) {
-                        rn = rows[0];
-                        const unsigned sl = (s + 1) % WGO_STAGES;
-                        mbar_wait(smem_addr(&sm.full[sl]), ((s + 1) / WGO_STAGES) & 1);
-                        next_full = true;
-                        dbn = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[sl][0][0]));
-                    }
-                    if (rn >= 0) {
-                        wgmma_fence();
-                        scores_ss(sn, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][rn][0][0])), dbn);
-                        wgmma_commit();
-                        pend = true;
-                    }
-                }
-#endif
-                const bool diag = r == j;
-                if (diag) {
-                    // Everything so far takes its row factor 2^(csl_i - R) (0 past the chunk's end).
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            const float f = ex2_approx(CSLV(ri, hh, hf) - RV(ri, hh));
-#pragma unroll
-                            for (int nf = 0; nf < 8; ++nf) {
-                                acc[ri][hh][nf][2 * hf] *= f;
-                                acc[ri][hh][nf][2 * hf + 1] *= f;
-                            }
-                        }
-                }
+                };
                 unsigned a[2][4][4];
-                // Head hh's A operand from the scores; the decay's form (diagonal tile or not)
-                // a constant at each call.
-                // Head hh's A operand (or both heads', hh = -1, column pair by column pair, so that
-                // each score dies once both are built) from the scores; the decay's form (diagonal
-                // tile or not) a constant at each call.
-                const auto build_a = [&](const bool DG, const int hsel) {
-#pragma unroll
-                    for (int nf = 0; nf < 8; ++nf) {
-                        const int jl = 8 * nf + 2 * q;  // this thread's columns jl, jl + 1
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            if (hsel >= 0 && hh != hsel) continue;
-                            const float2 cj = *reinterpret_cast<const float2*>(&sm.csl[par][hh][64 * j + jl]);
-                            const float2 dj = *reinterpret_cast<const float2*>(&sm.dt[par][hh][64 * j + jl]);
-                            float f[2][2];  // [hf][e]
-                            if (DG) {
-#pragma unroll
-                                for (int hf = 0; hf < 2; ++hf) {
-                                    const int il = 16 * w + g + 8 * hf;
-                                    f[hf][0] = jl <= il ? ex2_approx(CSLV(ri, hh, hf) - cj.x) * dj.x : 0.0f;
-                                    f[hf][1] = jl + 1 <= il ? ex2_approx(CSLV(ri, hh, hf) - cj.y) * dj.y : 0.0f;
-                                }
-                            } else {
-                                f[0][0] = f[1][0] = ex2_approx(RV(ri, hh) - cj.x) * dj.x;
-                                f[0][1] = f[1][1] = ex2_approx(RV(ri, hh) - cj.y) * dj.y;
-                            }
-                            a[hh][nf >> 1][2 * (nf & 1)] = pack_bf16x2(sc[nf][0] * f[0][0], sc[nf][1] * f[0][1]);
-                            a[hh][nf >> 1][2 * (nf & 1) + 1] =
-                                pack_bf16x2(sc[nf][2] * f[1][0], sc[nf][3] * f[1][1]);
-                        }
+                const auto visit = [&](const int j, float(&cur)[8][4], float(&nxt)[8][4]) {
+                    wgmma_wait<0>();  // visit j's scores and visit j - 1's products
+                    wgmma_hold(cur);
+                    wgmma_hold(acc[0][0]);
+                    wgmma_hold(acc[0][1]);
+                    if (j > 0) mbar_arrive(smem_addr(&sm.empty[stage(j - 1)]));
+                    // The row factor while no product is in flight (ptxas does not see that the
+                    // diagonal visit issues no next scores).
+                    if (j == r) diag_scale(0);
+                    if (j < r) {
+                        wait_stage(j + 1);
+                        scores_of(nxt, j + 1);
                     }
-                };
-                const auto products = [&](const int hh) {
-                    const unsigned long long dx = wgmma_desc_nmajor_sw128(smem_addr(&sm.ring[slot][2 + hh][0]));
-#pragma unroll
-                    for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs_nmajor(acc[ri][hh], a[hh][ks], dx + (2048 * ks >> 4));
-                };
-#if WGO_PIPE & 2
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    if (diag)
-                        build_a(true, hh);
+                    if (j == r)
+                        build_a(true, 0, j, cur, a);
                     else
-                        build_a(false, hh);
-                    wgmma_fence();
-                    products(hh);
-                    wgmma_commit();
+                        build_a(false, 0, j, cur, a);
+                    products(0, stage(j), a);
+                };
+                float sa[8][4], sb[8][4];
+                if (r >= 0) {
+                    wait_stage(0);
+                    scores_of(sa, 0);
                 }
-#else
-                if (diag)
-                    build_a(true, -1);
-                else
-                    build_a(false, -1);
-                wgmma_fence();
-                products(0);
-                products(1);
-                wgmma_commit();
-#endif
-                if (!diag) continue;
+#pragma unroll 1
+                for (int j = 0; j <= r; j += 2) {
+                    visit(j, sa, sb);
+                    if (j + 1 <= r) visit(j + 1, sb, sa);
+                }
+                // Unconditional: ptxas does not see that the visits ran exactly when r >= 0, and
+                // would take a path with products in flight past a conditional wait (C7515).
                 wgmma_wait<0>();
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
-                wgmma_hold(sn);
-                // The row tile is complete: the epilogue, as in the form above.
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int h = wi.h0 + hh;
-                    const char* xt = reinterpret_cast<const char*>(&sm.ring[slot][2 + hh][0]);
-                    char* ot = reinterpret_cast<char*>(&sm.o[wg][hh % WGO_OUTH][0]);
-                    const float dh = DHV(hh);
-                    if (tid % 128 == 0) bulk_wait_read<WGO_OUTH - 1>();
-                    named_bar_sync(1 + wg, 128);
-                    if (p.z == nullptr && !(p.Dv != nullptr && p.d_per_channel))
-                        wg_epilogue<false>(p, acc[ri][hh], xt, ot, dh, h, w, g, q, 64 * r, wi, tok_stride_x);
-                    else
-                        wg_epilogue<true>(p, acc[ri][hh], xt, ot, dh, h, w, g, q, 64 * r, wi, tok_stride_x);
-                    fence_proxy_async_smem();
-                    named_bar_sync(1 + wg, 128);
-                    if (tid % 128 == 0) {
-                        tma_store_3d(&p.tm_out, smem_addr(ot), h * p.headdim, (int)wi.t0 + 64 * r, wi.b);
-                        bulk_commit();
-                    }
+                wgmma_hold(acc[0][0]);
+                wgmma_hold(acc[0][1]);
+                if (r >= 0) {
+                    finish_row(0, r, stage(r));
+                    mbar_arrive(smem_addr(&sm.empty[stage(r)]));
                 }
+                for (int j = r + 1; j < TJ; ++j) {
+                    wait_stage(j);
+                    mbar_arrive(smem_addr(&sm.empty[stage(j)]));
+                }
+                s += TJ;
             }
-            // This stage's products (and the prefetched scores) are done before it is released.
-            wgmma_wait<0>();
+#else
+            for (int j = 0; j < TJ; ++j, ++s) {
+                const unsigned slot = s % WGO_STAGES;
+                mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
+                const unsigned long long db = wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][0][0]));
 #pragma unroll
-            for (int ri = 0; ri < (WGO_PASS ? 1 : 2); ++ri) {
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
+                for (int ri = 0; ri < NSLOT; ++ri) {
+                    const int r = rows[ri];
+                    if (r < 0 || r < j) continue;  // also the absent row tile (-1)
+                    float sc[8][4];
+                    wgmma_fence();
+                    scores_ss(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    wgmma_hold(sc);
+                    const bool diag = r == j;
+                    unsigned a[2][4][4];
+                    if (diag) {
+                        diag_scale(ri);
+                        build_a(true, ri, j, sc, a);
+                    } else {
+                        build_a(false, ri, j, sc, a);
+                    }
+                    products(ri, slot, a);
+                    wgmma_wait<0>();
+                    wgmma_hold(acc[ri][0]);
+                    wgmma_hold(acc[ri][1]);
+                    if (diag) finish_row(ri, r, slot);
+                }
+                mbar_arrive(smem_addr(&sm.empty[slot]));
             }
-            wgmma_hold(sn);
-            mbar_arrive(smem_addr(&sm.empty[slot]));
-        }
-#undef RV
-#undef CSLV
-#undef DHV
 #endif
-        }  // pass
+        }
         mbar_arrive(smem_addr(&sm.cempty[par]));
     }
     // The last stores must have read their staging tiles before the block's shared memory goes.
