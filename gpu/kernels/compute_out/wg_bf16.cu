@@ -55,14 +55,14 @@
 // and the first token tiles streamed again); WGO_PREF 1 (with WGO_PASS) issues each visit's
 // next scores before its decay (best with WGO_STAGES 3 and WGO_CBUF 1, so that the next
 // stage is loaded while two are in use). Neither is yet timed on a device in this form; both
-// compile without a ptxas performance note. The forms
-// that versions 52 to 59 tried and did not keep (the decay's form chosen per fragment, the
-// producer's column factors, a timing-only decay, the next unit's scores issued before the
-// decay) are in the history (docs/perf-history.md), with the commits that hold them. A
-// timing-only form must keep every product's result alive: ptxas removes the products (and the
-// decay feeding them) whose accumulators reach no memory. A form must also compile without
-// ptxas's "Potential Performance Loss" note (scripts/kernel-resources.sh prints it): with it
-// ptxas waits after every product, which no timing reveals by itself.
+// compile without a ptxas performance note. The forms that versions 52 to 59 tried and did not
+// keep (the decay's form chosen per fragment, the producer's column factors, a timing-only
+// decay, the next unit's scores issued before the decay) are in the history
+// (docs/perf-history.md), with the commits that hold them. A timing-only form must keep every
+// product's result alive: ptxas removes the products (and the decay feeding them) whose
+// accumulators reach no memory. A form must also compile without ptxas's "Potential Performance
+// Loss" note (scripts/kernel-resources.sh prints it): with it ptxas waits after every product,
+// which no timing reveals by itself.
 #define WGO_TILES 4  // token tiles of 64 per chunk, at most
 #ifndef WGO_STAGES
 #define WGO_STAGES 2  // ring slots
@@ -325,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int pass = 0; pass < wg_npass(wi.T); ++pass) {
             const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
             // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
-            // pass's one row tile, rows[1] = -1 known to the compiler).
+            // pass's one row tile; rows[1] unused, NSLOT = 1).
             int rows[2];
             if (WGO_PASS) {
                 rows[0] = wg_pass_row(wi.T, pass, wg);
@@ -554,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int ri = 0; ri < NSLOT; ++ri) {
                     const int r = rows[ri];
-                    if (r < 0 || r < j) continue;  // also the absent row tile (-1)
+                    if (r < j) continue;  // also the absent row tile (-1)
                     float sc[8][4];
                     wgmma_fence();
                     scores_ss(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
