@@ -51,7 +51,7 @@ def parse_form(text):
 def run(bench, shape, reps, env, dtype, log):
     t0 = time.time()
     proc = subprocess.run(
-        [bench, "--only", str(shape), "--reps", str(reps)],
+        [bench, "--only", str(shape), "--reps", str(reps), "--dtype", dtype],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

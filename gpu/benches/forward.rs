@@ -13,8 +13,9 @@
 //! final state and every request's final state), without and with one initial state per
 //! request; one `SERVING_JSON {...}` line each, with the lengths, for scripts.
 //!
-//! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K]` (`--only K`: the K-th shape
-//! alone, from 0, e.g. under a profiler; 5 is the serving shape). `SSD_GPU_V1=1`,
+//! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K] [--dtype D]` (`--only K`: the
+//! K-th shape alone, from 0, e.g. under a profiler; 5 is the serving shape; `--dtype f32` or
+//! `bf16`: that dtype's table alone). `SSD_GPU_V1=1`,
 //! `SSD_GPU_PAIR=0`, `SSD_GPU_CHAINED=0` or `SSD_GPU_WG=0` in the environment times another
 //! variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
@@ -105,8 +106,20 @@ fn bench<T: Upload>(
         + f * (2.0 * (batch * nheads * headdim * dstate) as f64);
     let set_bytes = bytes;
     let sets = ((3.0 * 60e6 / set_bytes).ceil() as usize).clamp(2, 8);
-    let ins: Vec<DeviceInputs<T>> = (0..sets)
-        .map(|k| T::upload(gpu, &problem(dims, options, 1000 + 10 * k as u64)?))
+    // The sets are made on one thread each (a serial generator: tens of seconds a set at the
+    // largest shapes), then uploaded in order.
+    let problems: Vec<Result<Problem<f32>, GpuError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..sets)
+            .map(|k| s.spawn(move || problem(dims, options, 1000 + 10 * k as u64)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("random problem thread panicked"))
+            .collect()
+    });
+    let ins: Vec<DeviceInputs<T>> = problems
+        .into_iter()
+        .map(|p| T::upload(gpu, &p?))
         .collect::<Result<_, _>>()?;
     // The forward as a caller that needs `out` and `final_states` runs it (the anchors
     // return those); timed again below with `chunk_states` kept.
@@ -285,6 +298,15 @@ fn main() {
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok());
+    let dtype: Option<String> = args
+        .iter()
+        .position(|a| a == "--dtype")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    if let Some(d) = dtype.as_deref().filter(|d| !matches!(*d, "f32" | "bf16")) {
+        eprintln!("--dtype {d}: expected f32 or bf16");
+        std::process::exit(2);
+    }
     if args.iter().any(|a| a == "--list" || a == "--test") {
         return; // `cargo test --benches` runs nothing
     }
@@ -318,6 +340,12 @@ fn main() {
     println!("dtype b      L   H   P    N  G    Q");
     let mut json = Vec::new();
     for bf16 in [false, true] {
+        if dtype
+            .as_deref()
+            .is_some_and(|d| d != if bf16 { "bf16" } else { "f32" })
+        {
+            continue;
+        }
         for (k, shape) in SHAPES.into_iter().enumerate() {
             if only.is_some_and(|o| o != k) {
                 continue;
