@@ -152,7 +152,9 @@ impl Kernel {
         }
     }
 
-    /// Threads per block: the kernel's `__launch_bounds__`, and what every launch uses.
+    /// Threads per block of the kernel's tested form: its `__launch_bounds__`. Launches use the
+    /// loaded module's ([`crate::Gpu::threads`]), which is this but for the alternative forms
+    /// of [`Kernel::threads_allowed`].
     pub const fn threads(self) -> u32 {
         match self {
             Kernel::ChunkCumsum
@@ -178,6 +180,13 @@ impl Kernel {
             | Kernel::StateChainedBf16 => 256,
             Kernel::ComputeOutWgBf16 => 384,
         }
+    }
+
+    /// Whether a module's `__launch_bounds__` of `threads` is one this crate launches: always
+    /// [`Kernel::threads`]; for [`Kernel::ComputeOutWgBf16`] also one producer warpgroup and
+    /// three consumer warpgroups (512, its `WGO_CWG 3` form). Launches use the module's.
+    pub(crate) const fn threads_allowed(self, threads: u32) -> bool {
+        threads == self.threads() || matches!((self, threads), (Kernel::ComputeOutWgBf16, 512))
     }
 
     /// Size of the kernel's parameter struct on the host side.

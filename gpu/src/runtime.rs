@@ -101,6 +101,9 @@ pub struct Gpu {
     /// The functions and layouts of [`Kernel::ALL`], in that order.
     functions: Vec<CudaFunction>,
     layouts: Vec<KernelLayout>,
+    /// Threads of a block of each kernel of [`Kernel::ALL`]: the loaded function's
+    /// `__launch_bounds__` (checked at load against [`Kernel::threads`]).
+    threads: Vec<u32>,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
     /// variant is [`Variant::V2`] or [`Variant::V3`] and their shared memory fits this device.
     pub(crate) pairs: bool,
@@ -186,8 +189,22 @@ impl Gpu {
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
+        let mut threads = Vec::with_capacity(Kernel::ALL.len());
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
+            // The block size the function was compiled for (its `__launch_bounds__`).
+            let bound =
+                f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
+            let bound = u32::try_from(bound)
+                .ok()
+                .filter(|&b| k.threads_allowed(b))
+                .ok_or_else(|| {
+                    GpuError::Internal(format!(
+                        "{}: the module's block of {bound} threads is not one this crate launches ({})",
+                        k.name(),
+                        k.threads()
+                    ))
+                })?;
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
             let bytes = stream.clone_dtoh(&symbol)?;
             stream.synchronize()?;
@@ -214,6 +231,7 @@ impl Gpu {
             }
             functions.push(f);
             layouts.push(layout);
+            threads.push(bound);
             smem_limits.push(limit);
         }
         let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= smem_limits[k as usize];
@@ -230,6 +248,7 @@ impl Gpu {
             stream,
             functions,
             layouts,
+            threads,
             pairs,
             chained,
             sm_count,
@@ -254,6 +273,13 @@ impl Gpu {
     /// What the loaded module says of `k`: its parameter size and dynamic shared memory.
     pub fn layout(&self, k: Kernel) -> KernelLayout {
         self.layouts[k as usize]
+    }
+
+    /// Threads of a block of `k`, as the loaded module compiled it (its `__launch_bounds__`):
+    /// [`Kernel::threads`], or for [`Kernel::ComputeOutWgBf16`] the form its NVRTC options
+    /// chose.
+    pub fn threads(&self, k: Kernel) -> u32 {
+        self.threads[k as usize]
     }
 
     /// Dynamic shared memory of a block of `k` for `dstate`, in bytes, as the kernel source
@@ -295,7 +321,7 @@ impl Gpu {
         }
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (k.threads(), 1, 1),
+            block_dim: (self.threads(k), 1, 1),
             shared_mem_bytes: self.smem_bytes(k, dstate) as u32,
         };
         let failed = |pending: bool| {
@@ -348,7 +374,11 @@ impl Gpu {
                     f.num_regs()?,
                     f.local_size_bytes()?,
                     if smem <= self.smem_limit(k) {
-                        f.occupancy_max_active_blocks_per_multiprocessor(k.threads(), smem, None)?
+                        f.occupancy_max_active_blocks_per_multiprocessor(
+                            self.threads(k),
+                            smem,
+                            None,
+                        )?
                     } else {
                         0 // never launched on this device
                     },

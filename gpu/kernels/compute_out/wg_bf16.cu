@@ -11,9 +11,10 @@
 // group), numbered ((b nchunks + chunk) npairs + pair), so that items running at the same time
 // share the group's B and C in L2; the chunk's T = ceil(valid / 64) token tiles of 64. The grid
 // is persistent: block k takes items k, k + gridDim.x, ... (one block of 384 threads, three
-// warpgroups, per SM).
+// warpgroups, per SM; 512 and four with WGO_CWG 3).
 //
-// Warpgroup 0 produces (24 registers a thread, setmaxnreg; the consumers take 240):
+// Warpgroup 0 produces (24 registers a thread, setmaxnreg; the consumers take 240, 160 with
+// WGO_CWG 3):
 // - its thread 0 streams each item's ring stages through WGO_STAGES slots of 32 KB, in the
 //   order the consumers use them: the carried states of both heads (when there is one), then
 //   for each token tile j the B tile and both heads' x tiles; a slot is refilled once all 256
@@ -54,7 +55,8 @@
 // warpgroup a pass (wg_pass_row below; 64 accumulators a head instead of 128, the state stage
 // and the first token tiles streamed again); WGO_PREF 1 (with WGO_PASS) issues each visit's
 // next scores before its decay (best with WGO_STAGES 3 and WGO_CBUF 1, so that the next
-// stage is loaded while two are in use). Neither is yet timed on a device in this form; both
+// stage is loaded while two are in use); WGO_CWG 3 (with WGO_PASS) three consumer warpgroups
+// of 160 registers (the host launches the module's block size, Gpu::threads). None is yet timed on a device in this form; both
 // compile without a ptxas performance note. The forms that versions 52 to 59 tried and did not
 // keep (the decay's form chosen per fragment, the producer's column factors, a timing-only
 // decay, the next unit's scores issued before the decay) are in the history
@@ -73,10 +75,19 @@
 // Every consumer thread arrives on `empty` and `cempty` (each mbarrier arrive releases its own
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
 // reporting the consumers' reads of dA_cumsum / dt' against the producer's next writes.
-#define WGO_RELEASERS 256  // arrivals that release a stage or a buffer
 #ifndef WGO_PASS
 #define WGO_PASS 0
 #endif
+#ifndef WGO_CWG
+#define WGO_CWG 2  // consumer warpgroups: 2, or 3 (with WGO_PASS)
+#endif
+static_assert(WGO_CWG == 2 || (WGO_CWG == 3 && WGO_PASS), "three consumer warpgroups need WGO_PASS");
+#define WGO_THREADS (128 * (1 + WGO_CWG))  // the block: the producer and the consumers
+#define WGO_RELEASERS (128 * WGO_CWG)  // arrivals that release a stage or a buffer
+// Registers a consumer thread takes (setmaxnreg; the producer keeps 24): the register file of
+// 65,536 less the producer's 128 x 24, over the consumers, rounded down to 8.
+#define WGO_CREGS (WGO_CWG == 2 ? 240 : 160)
+static_assert(128 * 24 + 128 * WGO_CWG * WGO_CREGS <= 65536, "the register file");
 #ifndef WGO_PREF
 #define WGO_PREF 0
 #endif
@@ -89,7 +100,7 @@ struct ComputeOutWgBf16Smem {
     bf16_t c[WGO_CBUF][WGO_TILES][2][64 * 64];  // [item parity][row tile][dstate half]: C rows
     bf16_t ring[WGO_STAGES][4][64 * 64];  // the states: [2 head + dstate half] bf16(S_h)[p][..];
                                           // token tile j: [dstate half] B_j, then [2 + head] x_j
-    bf16_t o[2][WGO_OUTH][64 * 64];       // [consumer warpgroup][slot]: out rows, for TMA stores
+    bf16_t o[WGO_CWG][WGO_OUTH][64 * 64];  // [consumer warpgroup][slot]: out rows, for TMA stores
     float csl[WGO_CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
                                           // (-inf past the chunk's end)
     float dt[WGO_CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
@@ -156,16 +167,20 @@ __device__ __forceinline__ WgItem wg_item(const ComputeOutWgBf16Params& p, int i
 }
 
 // WGO_PASS: an item in passes, each warpgroup one row tile a pass (64 accumulators a head
-// instead of 128): T <= 2, one pass, row wg; T > 2, pass 0 rows T - 1 - wg over all T token
-// tiles, pass 1 rows wg <= T - 3 over the first T - 2. Each pass streams the state stage (if
-// any) and its token tiles again. Without WGO_PASS one pass of both row slots.
-__device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > 2) ? 2 : 1; }
-__device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - 2 : T; }
+// instead of 128): T <= WGO_CWG, one pass, row wg; else pass 0 rows T - 1 - wg over all T token
+// tiles, and pass 1 the rest over the first T - WGO_CWG: with two consumer warpgroups rows
+// wg <= T - 3 (T = 4: causal visits 4 + 1 and 3 + 2), with three (T = 4) row 0 on warpgroup 2
+// (visits 4, 3, 2 + 1). Each pass streams the state stage (if any) and its token tiles again.
+// Without WGO_PASS one pass of both row slots.
+__device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > WGO_CWG) ? 2 : 1; }
+__device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - WGO_CWG : T; }
 __device__ __forceinline__ int wg_pass_row(int T, int pass, int wg) {
-    if (T <= 2) return wg < T ? wg : -1;
+    if (T <= WGO_CWG) return wg < T ? wg : -1;
     if (pass == 0) return T - 1 - wg;
+    if (WGO_CWG == 3) return wg == 2 ? 0 : -1;
     return wg <= T - 3 ? wg : -1;
 }
+static_assert(WGO_TILES <= 2 * WGO_CWG, "two passes cover every row tile");
 
 // The row tile's epilogue for one head: y = acc + D x_i, the z gate, rounded to bf16 into the
 // staging tile ot (swizzled as the loads). RARE: the form with the z gate or D per channel, each
@@ -206,7 +221,7 @@ __device__ __forceinline__ void wg_epilogue(const ComputeOutWgBf16Params& p, con
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
     ssd_compute_out_wg_bf16(const __grid_constant__ ComputeOutWgBf16Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     SSD_DYNAMIC_SMEM(smem_raw);
@@ -301,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         return;
     }
 
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<WGO_CREGS>();
 #if WGO_PREF
     // Through a shuffle, so that ptxas takes the branches on the row tile as warp-uniform (taken
     // as divergent, it serializes the products in flight across them: (C7518)).
