@@ -7,12 +7,13 @@ Usage (on the GPU machine, from the bundle):
 A FORM is `label` or `label:VAR=VALUE VAR=VALUE ...`: the environment of that form's runs, e.g.
   'base'  'v2:SSD_GPU_CHAINED=0'  'form:SSD_NVRTC_OPTIONS=-DNAME=1'
 (`SSD_NVRTC_OPTIONS` takes the rest of its form, spaces included: `-DA=1 -DB=1`). Each round runs
-every form once per shape, in the order given (`--shapes` are the bench's `--only` indices: 0 to
-4 the speed issue's shapes, in gpu/benches/forward.rs's order). Each run is one process: the
-bench's own median of `--reps` CUDA-event timings. A form's first run in a process compiles its
-kernels (NVRTC), which the bench keeps out of its timings.
+every form once, in the order given, each run one bench process over every shape (`--shapes` are
+the bench's `--only` indices: 0 to 4 the speed issue's shapes, in gpu/benches/forward.rs's
+order; one compilation of the kernels a run): per shape the bench's own median of `--reps`
+CUDA-event timings. The compilation (NVRTC) and the input sets' generation stay out of the
+timings.
 
-Prints one line per run as it ends, then per shape a table of each form's medians over the
+Prints one line per shape of each run as the run ends, then per shape a table of each form's medians over the
 rounds (forward, stage 2, output stage, ms) and the output stage's change against the first
 form; writes every run's log to --log (default ab.log). Speed is measured here, never asserted:
 the exit status is 0 unless a run failed.
@@ -48,22 +49,27 @@ def parse_form(text):
     return label, env
 
 
-def run(bench, shape, reps, env, dtype, log):
+def run(bench, shapes, reps, env, dtype, log):
+    """One bench process over `shapes`: its BENCH_JSON lines of `dtype`, in shape order (None
+    for a shape without one), the exit status and the seconds it took."""
     t0 = time.time()
     proc = subprocess.run(
-        [bench, "--only", str(shape), "--reps", str(reps), "--dtype", dtype],
+        [bench, "--only", ",".join(map(str, shapes)), "--reps", str(reps), "--dtype", dtype],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
     )
-    log.write(f"=== shape {shape} env {env} rc {proc.returncode}\n{proc.stdout}{proc.stderr}\n")
+    log.write(f"=== shapes {shapes} env {env} rc {proc.returncode}\n{proc.stdout}{proc.stderr}\n")
     log.flush()
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            j = json.loads(line[len("BENCH_JSON ") :])
-            if j.get("dtype", "f32") == dtype:
-                return j, proc.returncode, time.time() - t0
-    return None, proc.returncode, time.time() - t0
+    found = [
+        json.loads(line[len("BENCH_JSON ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("BENCH_JSON ")
+    ]
+    found = [j for j in found if j.get("dtype", "f32") == dtype]
+    # The bench prints its shapes in its own order (ascending index).
+    by_index = dict(zip(sorted(shapes), found)) if len(found) == len(shapes) else {}
+    return [by_index.get(s) for s in shapes], proc.returncode, time.time() - t0
 
 
 def main():
@@ -86,9 +92,9 @@ def main():
     failed = 0
     with open(a.log, "w") as log:
         for rnd in range(a.rounds):
-            for shape in shapes:
-                for label, env in forms:
-                    j, rc, secs = run(a.bench, shape, a.reps, env, a.dtype, log)
+            for label, env in forms:
+                js, rc, secs = run(a.bench, shapes, a.reps, env, a.dtype, log)
+                for shape, j in zip(shapes, js):
                     if j is None or rc != 0:
                         failed += 1
                         print(f"round {rnd} shape {shape} {label}: FAILED (rc {rc}, {secs:.0f} s)", flush=True)
@@ -96,7 +102,7 @@ def main():
                     got.setdefault((shape, label), []).append(j)
                     print(
                         f"round {rnd} shape {shape} {label:12s} fwd {j['ours_ms']:.4f} state {j['state_ms']:.4f} "
-                        f"out {j['out_ms']:.4f} ({j['out_kernel']}, {secs:.0f} s)",
+                        f"out {j['out_ms']:.4f} ({j['out_kernel']}, {secs:.0f} s for the process)",
                         flush=True,
                     )
     print()

@@ -13,9 +13,9 @@
 //! final state and every request's final state), without and with one initial state per
 //! request; one `SERVING_JSON {...}` line each, with the lengths, for scripts.
 //!
-//! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K] [--dtype D]` (`--only K`: the
-//! K-th shape alone, from 0, e.g. under a profiler; 5 is the serving shape; `--dtype f32` or
-//! `bf16`: that dtype's table alone). `SSD_GPU_V1=1`,
+//! `cargo bench -p ssd-gpu --bench forward [-- --reps N] [--only K[,K...]] [--dtype D]` (`--only
+//! K`: the K-th shape alone, from 0, e.g. under a profiler, or those of a list; 5 is the serving
+//! shape; `--dtype f32` or `bf16`: that dtype's table alone). `SSD_GPU_V1=1`,
 //! `SSD_GPU_PAIR=0`, `SSD_GPU_CHAINED=0` or `SSD_GPU_WG=0` in the environment times another
 //! variant (`GpuConfig::from_env`). Without a GPU it says so and exits 0.
 
@@ -293,11 +293,13 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(30usize);
-    let only: Option<usize> = args
+    // `--only K` or `--only K,L,...`: those shapes alone.
+    let only: Option<Vec<usize>> = args
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok());
+        .map(|v| v.split(',').filter_map(|k| k.trim().parse().ok()).collect());
+    let chosen = |k: usize| only.as_ref().is_none_or(|o| o.contains(&k));
     let dtype: Option<String> = args
         .iter()
         .position(|a| a == "--dtype")
@@ -347,7 +349,7 @@ fn main() {
             continue;
         }
         for (k, shape) in SHAPES.into_iter().enumerate() {
-            if only.is_some_and(|o| o != k) {
+            if !chosen(k) {
                 continue;
             }
             let got = if bf16 {
@@ -364,7 +366,7 @@ fn main() {
     for j in json {
         println!("BENCH_JSON {j}");
     }
-    if only.is_none_or(|o| o == SHAPES.len()) {
+    if chosen(SHAPES.len()) {
         for per_request_states in [false, true] {
             match bench_serving(&gpu, reps, per_request_states) {
                 Ok(j) => println!("SERVING_JSON {j}"),
