@@ -101,9 +101,12 @@ pub struct Gpu {
     /// The functions and layouts of [`Kernel::ALL`], in that order.
     functions: Vec<CudaFunction>,
     layouts: Vec<KernelLayout>,
-    /// Threads of a block of each kernel of [`Kernel::ALL`]: the loaded function's
-    /// `__launch_bounds__` (checked at load against [`Kernel::threads`]).
+    /// Threads of a block of each kernel of [`Kernel::ALL`]: [`Kernel::threads`], but the
+    /// Hopper output kernel's from the loaded function (see [`Gpu::threads`]).
     threads: Vec<u32>,
+    /// Whether the Hopper output kernel's block size is one this crate launches
+    /// ([`Kernel::threads_allowed`]); if not, that kernel is not used.
+    wg_block: bool,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
     /// variant is [`Variant::V2`] or [`Variant::V3`] and their shared memory fits this device.
     pub(crate) pairs: bool,
@@ -190,21 +193,19 @@ impl Gpu {
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
         let mut threads = Vec::with_capacity(Kernel::ALL.len());
+        let mut wg_block = true;
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
-            // The block size the function was compiled for (its `__launch_bounds__`).
-            let bound =
-                f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
-            let bound = u32::try_from(bound)
-                .ok()
-                .filter(|&b| k.threads_allowed(b))
-                .ok_or_else(|| {
-                    GpuError::Internal(format!(
-                        "{}: the module's block of {bound} threads is not one this crate launches ({})",
-                        k.name(),
-                        k.threads()
-                    ))
-                })?;
+            // The block size: the tested form's, except for the Hopper output kernel, whose
+            // block follows its NVRTC options (the function's `__launch_bounds__`, which the
+            // driver reports); a size this crate does not launch leaves that kernel unused.
+            let bound = if k == Kernel::ComputeOutWgBf16 {
+                let b =
+                    f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
+                u32::try_from(b).ok().filter(|&b| k.threads_allowed(b))
+            } else {
+                Some(k.threads())
+            };
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
             let bytes = stream.clone_dtoh(&symbol)?;
             stream.synchronize()?;
@@ -231,7 +232,10 @@ impl Gpu {
             }
             functions.push(f);
             layouts.push(layout);
-            threads.push(bound);
+            threads.push(bound.unwrap_or(k.threads()));
+            if bound.is_none() {
+                wg_block = false;
+            }
             smem_limits.push(limit);
         }
         let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= smem_limits[k as usize];
@@ -249,6 +253,7 @@ impl Gpu {
             functions,
             layouts,
             threads,
+            wg_block,
             pairs,
             chained,
             sm_count,
@@ -275,9 +280,11 @@ impl Gpu {
         self.layouts[k as usize]
     }
 
-    /// Threads of a block of `k`, as the loaded module compiled it (its `__launch_bounds__`):
-    /// [`Kernel::threads`], or for [`Kernel::ComputeOutWgBf16`] the form its NVRTC options
-    /// chose.
+    /// Threads of a block of `k`: [`Kernel::threads`], but for [`Kernel::ComputeOutWgBf16`]
+    /// the loaded function's `__launch_bounds__` (the driver's maximum block size of the
+    /// function), which its NVRTC options choose (384, or 512 for the `WGO_CWG 3` form); a size
+    /// outside [`Kernel::threads_allowed`] leaves that kernel unused (`Gpu::runs_wg_out`
+    /// false).
     pub fn threads(&self, k: Kernel) -> u32 {
         self.threads[k as usize]
     }
@@ -429,6 +436,7 @@ impl Gpu {
                 .checked_add(q)
                 .is_some_and(|v| v <= i32::MAX as usize)
             && self.fits(Kernel::ComputeOutWgBf16, dims.dstate)
+            && self.wg_block
             && self.runs_bf16(dims, options)
     }
 
