@@ -186,7 +186,7 @@ impl Kernel {
     /// [`Kernel::threads`]; for [`Kernel::ComputeOutWgBf16`] also one producer warpgroup and
     /// three consumer warpgroups (512, its `WGO_CWG 3` form), whose block size
     /// [`crate::Gpu::threads`] takes from the loaded function.
-    pub(crate) const fn threads_allowed(self, threads: u32) -> bool {
+    pub const fn threads_allowed(self, threads: u32) -> bool {
         threads == self.threads() || matches!((self, threads), (Kernel::ComputeOutWgBf16, 512))
     }
 

@@ -18,7 +18,9 @@
 //! the running state on to the next chunk's block through L2, with the same bits as version 2.
 //! [`Variant::V2`] (the stage-by-stage kernels), [`Variant::V2Unpaired`] and [`Variant::V1`]
 //! (one kernel per stage) are kept for comparison: pass a [`GpuConfig`] to
-//! [`Gpu::with_config`]. Nothing in this crate reads the environment.
+//! [`Gpu::with_config`]. The crate reads the environment in two places only: when asked
+//! ([`GpuConfig::from_env`], for the command-line tools), and the development variable
+//! [`kernels::NVRTC_OPTIONS_ENV`] (extra NVRTC options, said on standard error when set).
 //!
 //! Packed sequences (serving: `cu_seqlens`, one initial state per sequence, each sequence's
 //! final state, states at listed tokens) run through the same stages plus two small kernels:
