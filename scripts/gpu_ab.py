@@ -13,9 +13,9 @@ order; one compilation of the kernels a run): per shape the bench's own median o
 CUDA-event timings. The compilation (NVRTC) and the input sets' generation stay out of the
 timings.
 
-Prints one line per shape of each run as the run ends, then per shape a table of each form's medians over the
-rounds (forward, stage 2, output stage, ms) and the output stage's change against the first
-form; writes every run's log to --log (default ab.log). Speed is measured here, never asserted:
+Prints one line per shape of each run as the run ends, then per shape a table of each form's
+medians over the rounds (forward, stage 2, output stage, ms) and the output stage's change
+against the first form; writes every run's log to --log (default ab.log). Speed is measured here, never asserted:
 the exit status is 0 unless a run failed.
 """
 
@@ -87,7 +87,8 @@ def main():
     labels = [label for label, _ in forms]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"each form needs its own label: {labels}")
-    shapes = [int(s) for s in a.shapes.split(",") if s.strip()]
+    # Each shape once, in the order given.
+    shapes = list(dict.fromkeys(int(s) for s in a.shapes.split(",") if s.strip()))
     got = {}  # (shape, label) -> list of json
     failed = 0
     with open(a.log, "w") as log:

@@ -293,12 +293,24 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(30usize);
-    // `--only K` or `--only K,L,...`: those shapes alone.
+    // `--only K` or `--only K,L,...`: those shapes alone (0 to SHAPES.len(), the last the
+    // serving shape).
     let only: Option<Vec<usize>> = args
         .iter()
         .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.split(',').filter_map(|k| k.trim().parse().ok()).collect());
+        .map(|i| args.get(i + 1).map_or("", String::as_str))
+        .map(|v| {
+            v.split(',')
+                .map(|k| k.trim().parse().ok().filter(|&k| k <= SHAPES.len()))
+                .collect::<Option<_>>()
+                .unwrap_or_else(|| {
+                    eprintln!(
+                        "--only {v:?}: expected shape indices 0 to {}, e.g. 1,0",
+                        SHAPES.len()
+                    );
+                    std::process::exit(2);
+                })
+        });
     let chosen = |k: usize| only.as_ref().is_none_or(|o| o.contains(&k));
     let dtype: Option<String> = args
         .iter()

@@ -54,7 +54,7 @@ impl Gpu {
             )
         } else {
             let threads = d.batch * nchunks * d.nheads;
-            let per_block = self.threads(Kernel::ChunkCumsum) as usize;
+            let per_block = Kernel::ChunkCumsum.threads() as usize;
             let blocks = u32::try_from(threads.div_ceil(per_block)).map_err(|_| {
                 crate::error::unsupported("batch * nchunks * nheads is too large for one launch")
             })?;

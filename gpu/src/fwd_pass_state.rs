@@ -136,7 +136,7 @@ impl Gpu {
             let n = d.headdim * d.dstate;
             // 4 elements per thread (16-byte loads) where the rows allow it.
             let vec4 = n.is_multiple_of(4);
-            let per_block = self.threads(Kernel::StatePassing) as usize * if vec4 { 4 } else { 1 };
+            let per_block = Kernel::StatePassing.threads() as usize * if vec4 { 4 } else { 1 };
             let grid = (
                 n.div_ceil(per_block) as u32,
                 d.nheads as u32,

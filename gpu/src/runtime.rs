@@ -101,12 +101,9 @@ pub struct Gpu {
     /// The functions and layouts of [`Kernel::ALL`], in that order.
     functions: Vec<CudaFunction>,
     layouts: Vec<KernelLayout>,
-    /// Threads of a block of each kernel of [`Kernel::ALL`]: [`Kernel::threads`], but the
-    /// Hopper output kernel's from the loaded function (see [`Gpu::threads`]).
-    threads: Vec<u32>,
-    /// Whether the Hopper output kernel's block size is one this crate launches
-    /// ([`Kernel::threads_allowed`]); if not, that kernel is not used.
-    wg_block: bool,
+    /// The Hopper output kernel's block size as the loaded function reports it, where
+    /// [`Kernel::threads_allowed`]; `None` leaves that kernel unused (see [`Gpu::threads`]).
+    wg_threads: Option<u32>,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
     /// variant is [`Variant::V2`] or [`Variant::V3`] and their shared memory fits this device.
     pub(crate) pairs: bool,
@@ -192,20 +189,16 @@ impl Gpu {
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
-        let mut threads = Vec::with_capacity(Kernel::ALL.len());
-        let mut wg_block = true;
+        let mut wg_threads = None;
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
-            // The block size: the tested form's, except for the Hopper output kernel, whose
-            // block follows its NVRTC options (the function's `__launch_bounds__`, which the
-            // driver reports); a size this crate does not launch leaves that kernel unused.
-            let bound = if k == Kernel::ComputeOutWgBf16 {
+            // The Hopper output kernel's block follows its NVRTC options: the function's
+            // `__launch_bounds__`, which the driver reports as its largest block.
+            if k == Kernel::ComputeOutWgBf16 {
                 let b =
                     f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
-                u32::try_from(b).ok().filter(|&b| k.threads_allowed(b))
-            } else {
-                Some(k.threads())
-            };
+                wg_threads = u32::try_from(b).ok().filter(|&b| k.threads_allowed(b));
+            }
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
             let bytes = stream.clone_dtoh(&symbol)?;
             stream.synchronize()?;
@@ -232,10 +225,6 @@ impl Gpu {
             }
             functions.push(f);
             layouts.push(layout);
-            threads.push(bound.unwrap_or(k.threads()));
-            if bound.is_none() {
-                wg_block = false;
-            }
             smem_limits.push(limit);
         }
         let fits = |k: Kernel| layouts[k as usize].smem_bytes(256) <= smem_limits[k as usize];
@@ -252,8 +241,7 @@ impl Gpu {
             stream,
             functions,
             layouts,
-            threads,
-            wg_block,
+            wg_threads,
             pairs,
             chained,
             sm_count,
@@ -286,7 +274,10 @@ impl Gpu {
     /// outside [`Kernel::threads_allowed`] leaves that kernel unused (`Gpu::runs_wg_out`
     /// false).
     pub fn threads(&self, k: Kernel) -> u32 {
-        self.threads[k as usize]
+        match (k, self.wg_threads) {
+            (Kernel::ComputeOutWgBf16, Some(t)) => t,
+            _ => k.threads(),
+        }
     }
 
     /// Dynamic shared memory of a block of `k` for `dstate`, in bytes, as the kernel source
@@ -436,7 +427,7 @@ impl Gpu {
                 .checked_add(q)
                 .is_some_and(|v| v <= i32::MAX as usize)
             && self.fits(Kernel::ComputeOutWgBf16, dims.dstate)
-            && self.wg_block
+            && self.wg_threads.is_some()
             && self.runs_bf16(dims, options)
     }
 

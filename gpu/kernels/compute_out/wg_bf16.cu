@@ -17,8 +17,8 @@
 // WGO_CWG 3):
 // - its thread 0 streams each item's ring stages through WGO_STAGES slots of 32 KB, in the
 //   order the consumers use them: the carried states of both heads (when there is one), then
-//   for each token tile j the B tile and both heads' x tiles; a slot is refilled once all 256
-//   consumer threads have arrived on its `empty` barrier;
+//   for each token tile j the B tile and both heads' x tiles; a slot is refilled once every
+//   consumer thread (WGO_RELEASERS) has arrived on its `empty` barrier;
 // - its warps 1 to 3 fill the item's other half of the double-buffered per-item data, once the
 //   consumers have released that half (`cempty`): the item's C row tiles (TMA, thread 32), and
 //   log2(e) dA_cumsum and dt' of both heads (all 96 threads; 97 arrivals on `cfull`).
@@ -56,8 +56,9 @@
 // and the first token tiles streamed again); WGO_PREF 1 (with WGO_PASS) issues each visit's
 // next scores before its decay (best with WGO_STAGES 3 and WGO_CBUF 1, so that the next
 // stage is loaded while two are in use); WGO_CWG 3 (with WGO_PASS) three consumer warpgroups
-// of 160 registers (the host launches the module's block size, Gpu::threads). None is yet timed on a device in this form; both
-// compile without a ptxas performance note. The forms that versions 52 to 59 tried and did not
+// of 160 registers (the host launches the module's block size, Gpu::threads). None is yet
+// timed on a device in this form; each compiles without a ptxas performance note, but WGO_CWG 3
+// with WGO_PREF (C7511: too few registers). The forms that versions 52 to 59 tried and did not
 // keep (the decay's form chosen per fragment, the producer's column factors, a timing-only
 // decay, the next unit's scores issued before the decay) are in the history
 // (docs/perf-history.md), with the commits that hold them. A timing-only form must keep every
