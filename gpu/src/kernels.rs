@@ -152,9 +152,7 @@ impl Kernel {
         }
     }
 
-    /// Threads per block of the kernel's tested form: its `__launch_bounds__`, and what every
-    /// launch uses but those of [`Kernel::ComputeOutWgBf16`]'s other forms
-    /// ([`crate::Gpu::threads`]).
+    /// Threads per block: the kernel's `__launch_bounds__`, and what every launch uses.
     pub const fn threads(self) -> u32 {
         match self {
             Kernel::ChunkCumsum
@@ -180,14 +178,6 @@ impl Kernel {
             | Kernel::StateChainedBf16 => 256,
             Kernel::ComputeOutWgBf16 => 384,
         }
-    }
-
-    /// Whether a module's `__launch_bounds__` of `threads` is one this crate launches: always
-    /// [`Kernel::threads`]; for [`Kernel::ComputeOutWgBf16`] also one producer warpgroup and
-    /// three consumer warpgroups (512, its `WGO_CWG 3` form), whose block size
-    /// [`crate::Gpu::threads`] takes from the loaded function.
-    pub const fn threads_allowed(self, threads: u32) -> bool {
-        threads == self.threads() || matches!((self, threads), (Kernel::ComputeOutWgBf16, 512))
     }
 
     /// Size of the kernel's parameter struct on the host side.
@@ -357,17 +347,6 @@ fn compile_error(target: &str, e: CompileError) -> GpuError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_the_hopper_output_kernel_takes_another_block_size() {
-        for k in Kernel::ALL {
-            assert!(k.threads_allowed(k.threads()), "{k:?}");
-            assert!(!k.threads_allowed(k.threads() + 32), "{k:?}");
-            assert!(!k.threads_allowed(0), "{k:?}");
-        }
-        assert!(Kernel::ComputeOutWgBf16.threads_allowed(512));
-        assert!(!Kernel::ComputeOutPairBf16.threads_allowed(512));
-    }
 
     #[test]
     fn extra_nvrtc_options_are_the_words_of_the_variable() {

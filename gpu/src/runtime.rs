@@ -101,9 +101,6 @@ pub struct Gpu {
     /// The functions and layouts of [`Kernel::ALL`], in that order.
     functions: Vec<CudaFunction>,
     layouts: Vec<KernelLayout>,
-    /// The Hopper output kernel's block size as the loaded function reports it, where
-    /// [`Kernel::threads_allowed`]; `None` leaves that kernel unused (see [`Gpu::threads`]).
-    wg_threads: Option<u32>,
     /// Whether the kernels over pairs of units (2a and the output kernel) may be used: the
     /// variant is [`Variant::V2`] or [`Variant::V3`] and their shared memory fits this device.
     pub(crate) pairs: bool,
@@ -189,16 +186,8 @@ impl Gpu {
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
-        let mut wg_threads = None;
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
-            // The Hopper output kernel's block follows its NVRTC options: the function's
-            // `__launch_bounds__`, which the driver reports as its largest block.
-            if k == Kernel::ComputeOutWgBf16 {
-                let b =
-                    f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
-                wg_threads = u32::try_from(b).ok().filter(|&b| k.threads_allowed(b));
-            }
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
             let bytes = stream.clone_dtoh(&symbol)?;
             stream.synchronize()?;
@@ -241,7 +230,6 @@ impl Gpu {
             stream,
             functions,
             layouts,
-            wg_threads,
             pairs,
             chained,
             sm_count,
@@ -266,18 +254,6 @@ impl Gpu {
     /// What the loaded module says of `k`: its parameter size and dynamic shared memory.
     pub fn layout(&self, k: Kernel) -> KernelLayout {
         self.layouts[k as usize]
-    }
-
-    /// Threads of a block of `k`: [`Kernel::threads`], but for [`Kernel::ComputeOutWgBf16`]
-    /// the loaded function's `__launch_bounds__` (the driver's maximum block size of the
-    /// function), which its NVRTC options choose (384, or 512 for the `WGO_CWG 3` form); a size
-    /// outside [`Kernel::threads_allowed`] leaves that kernel unused (`Gpu::runs_wg_out`
-    /// false).
-    pub fn threads(&self, k: Kernel) -> u32 {
-        match (k, self.wg_threads) {
-            (Kernel::ComputeOutWgBf16, Some(t)) => t,
-            _ => k.threads(),
-        }
     }
 
     /// Dynamic shared memory of a block of `k` for `dstate`, in bytes, as the kernel source
@@ -319,7 +295,7 @@ impl Gpu {
         }
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (self.threads(k), 1, 1),
+            block_dim: (k.threads(), 1, 1),
             shared_mem_bytes: self.smem_bytes(k, dstate) as u32,
         };
         let failed = |pending: bool| {
@@ -372,11 +348,7 @@ impl Gpu {
                     f.num_regs()?,
                     f.local_size_bytes()?,
                     if smem <= self.smem_limit(k) {
-                        f.occupancy_max_active_blocks_per_multiprocessor(
-                            self.threads(k),
-                            smem,
-                            None,
-                        )?
+                        f.occupancy_max_active_blocks_per_multiprocessor(k.threads(), smem, None)?
                     } else {
                         0 // never launched on this device
                     },
@@ -427,7 +399,6 @@ impl Gpu {
                 .checked_add(q)
                 .is_some_and(|v| v <= i32::MAX as usize)
             && self.fits(Kernel::ComputeOutWgBf16, dims.dstate)
-            && self.wg_threads.is_some()
             && self.runs_bf16(dims, options)
     }
 

@@ -11,10 +11,9 @@
 // group), numbered ((b nchunks + chunk) npairs + pair), so that items running at the same time
 // share the group's B and C in L2; the chunk's T = ceil(valid / 64) token tiles of 64. The grid
 // is persistent: block k takes items k, k + gridDim.x, ... (one block of 384 threads, three
-// warpgroups, per SM; 512 and four with WGO_CWG 3).
+// warpgroups, per SM).
 //
-// Warpgroup 0 produces (24 registers a thread, setmaxnreg; the consumers take 240, 160 with
-// WGO_CWG 3):
+// Warpgroup 0 produces (24 registers a thread, setmaxnreg; the consumers take 240):
 // - its thread 0 streams each item's ring stages through WGO_STAGES slots of 32 KB, in the
 //   order the consumers use them: the carried states of both heads (when there is one), then
 //   for each token tile j the B tile and both heads' x tiles; a slot is refilled once every
@@ -25,12 +24,14 @@
 // Every copy is a TMA box of 64 x 64 bf16 (8 KB, 128-byte rows, CU_TENSOR_MAP_SWIZZLE_128B:
 // 16-byte piece p of row r at p ^ (r % 8)). Rows past seqlen arrive as zeros.
 //
-// Warpgroups 1 and 2 (k = 0, 1) each own two row tiles of an item: T - 1 - k where that is
-// above 1, and k (T = 4: {3, 0} and {2, 1}, the same causal work each), with an accumulator per
-// (row tile, head) in registers. They walk the ring stages together, token tile j outer, so that
-// each stage is used by both and then released. Warp w of a warpgroup holds rows 16 w .. 16 w +
-// 15 of a row tile r (the wgmma accumulator layout). For each head h of the pair, with csl =
-// log2(e) dA_cumsum and R = csl[64 r - 1] (0 for r = 0):
+// Warpgroups 1 and 2 (k = 0, 1) walk an item in passes, one row tile each a pass, with an
+// accumulator per head in registers (wg_pass_row below): pass 0 row tile T - 1 - k over all T
+// token tiles, pass 1 (T > 2) row tile k where k <= T - 3 over the first T - 2 (T = 4: rows 3
+// and 2, then 0 and 1: causal visits 4 + 1 and 3 + 2). Each pass streams the state stage (if
+// any) and its token tiles through the ring; both warpgroups use each stage and then release it.
+// Warp w of a warpgroup holds rows 16 w .. 16 w + 15 of a row tile r (the wgmma accumulator
+// layout). For each head h of the pair, with csl = log2(e) dA_cumsum and R = csl[64 r - 1] (0
+// for r = 0):
 //   the state stage:    acc_{r,h} = C_r bf16(S_h)^T 2^R    (2 x 4 wgmma m64n64k16, K-major)
 //   token tile j < r:   Sc = C_r B_j^T                     (8 wgmma, shared by both heads)
 //                       A_h = bf16(Sc 2^(R - csl_j) dt'_j) (registers, the m16n8k16 A layout;
@@ -51,16 +52,11 @@
 //
 // Sizes that can be set before the include (NVRTC options, e.g. through SSD_NVRTC_OPTIONS,
 // docs/gpu.md): WGO_CBUF 1 or 2 per-item buffers, WGO_STAGES ring slots, WGO_OUTH staging tiles
-// per consumer warpgroup; WGO_PASS 1 walks an item in passes, one row tile per consumer
-// warpgroup a pass (wg_pass_row below; 64 accumulators a head instead of 128, the state stage
-// and the first token tiles streamed again); WGO_PREF 1 (with WGO_PASS) issues each visit's
-// next scores before its decay (best with WGO_STAGES 3 and WGO_CBUF 1, so that the next
-// stage is loaded while two are in use); WGO_CWG 3 (with WGO_PASS) three consumer warpgroups
-// of 160 registers (the host launches the module's block size, Gpu::threads). None is yet
-// timed on a device in this form; each compiles without a ptxas performance note, but WGO_CWG 3
-// with WGO_PREF (C7511: too few registers). The forms that versions 52 to 59 tried and did not
-// keep (the decay's form chosen per fragment, the producer's column factors, a timing-only
-// decay, the next unit's scores issued before the decay) are in the history
+// per consumer warpgroup; WGO_PASS 0 (version 58's form) walks an item in one pass, each
+// consumer warpgroup holding two row tiles, T - 1 - k where that is above 1, and k, token tile j
+// outer (128 accumulators a head). The forms that versions 52 to 60 tried and did not keep (the
+// decay's form chosen per fragment, the producer's column factors, a timing-only decay, the
+// next unit's scores issued before the decay, three consumer warpgroups) are in the history
 // (docs/perf-history.md), with the commits that hold them. A timing-only form must keep every
 // product's result alive: ptxas removes the products (and the decay feeding them) whose
 // accumulators reach no memory. A form must also compile without ptxas's "Potential Performance
@@ -77,21 +73,15 @@
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
 // reporting the consumers' reads of dA_cumsum / dt' against the producer's next writes.
 #ifndef WGO_PASS
-#define WGO_PASS 0
+#define WGO_PASS 1
 #endif
-#ifndef WGO_CWG
-#define WGO_CWG 2  // consumer warpgroups: 2, or 3 (with WGO_PASS)
-#endif
-static_assert(WGO_CWG == 2 || (WGO_CWG == 3 && WGO_PASS), "three consumer warpgroups need WGO_PASS");
-#define WGO_THREADS (128 * (1 + WGO_CWG))  // the block: the producer and the consumers
+#define WGO_CWG 2  // consumer warpgroups
+#define WGO_THREADS (128 * (1 + WGO_CWG))  // the block: the producer and the consumers (Kernel::threads)
 #define WGO_RELEASERS (128 * WGO_CWG)  // arrivals that release a stage or a buffer
 // Registers a consumer thread takes (setmaxnreg; the producer keeps 24): the register file of
 // 65,536 less the producer's 128 x 24, over the consumers, rounded down to 8.
-#define WGO_CREGS (WGO_CWG == 2 ? 240 : 160)
+#define WGO_CREGS 240
 static_assert(128 * 24 + 128 * WGO_CWG * WGO_CREGS <= 65536, "the register file");
-#ifndef WGO_PREF
-#define WGO_PREF 0
-#endif
 // Row slots a consumer warpgroup holds accumulators for: 2, or 1 in passes.
 #define NSLOT (WGO_PASS ? 1 : 2)
 #ifndef WGO_CBUF
@@ -169,16 +159,14 @@ __device__ __forceinline__ WgItem wg_item(const ComputeOutWgBf16Params& p, int i
 
 // WGO_PASS: an item in passes, each warpgroup one row tile a pass (64 accumulators a head
 // instead of 128): T <= WGO_CWG, one pass, row wg; else pass 0 rows T - 1 - wg over all T token
-// tiles, and pass 1 the rest over the first T - WGO_CWG: with two consumer warpgroups rows
-// wg <= T - 3 (T = 4: causal visits 4 + 1 and 3 + 2), with three (T = 4) row 0 on warpgroup 2
-// (visits 4, 3, 2 + 1). Each pass streams the state stage (if any) and its token tiles again.
+// tiles, and pass 1 the rest over the first T - WGO_CWG: rows wg <= T - 3 (T = 4: causal
+// visits 4 + 1 and 3 + 2). Each pass streams the state stage (if any) and its token tiles again.
 // Without WGO_PASS one pass of both row slots.
 __device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > WGO_CWG) ? 2 : 1; }
 __device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - WGO_CWG : T; }
 __device__ __forceinline__ int wg_pass_row(int T, int pass, int wg) {
     if (T <= WGO_CWG) return wg < T ? wg : -1;
     if (pass == 0) return T - 1 - wg;
-    if (WGO_CWG == 3) return wg == 2 ? 0 : -1;
     return wg <= T - 3 ? wg : -1;
 }
 static_assert(WGO_TILES <= 2 * WGO_CWG, "two passes cover every row tile");
@@ -318,13 +306,7 @@ extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
     }
 
     setmaxnreg_inc<WGO_CREGS>();
-#if WGO_PREF
-    // Through a shuffle, so that ptxas takes the branches on the row tile as warp-uniform (taken
-    // as divergent, it serializes the products in flight across them: (C7518)).
-    const int wg = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
-#else
     const int wg = tid / 128 - 1;
-#endif
     const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const unsigned tok_stride_x = (unsigned)(p.nheads * p.headdim);
     unsigned s = 0;
@@ -371,16 +353,6 @@ extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
                     for (int nf = 0; nf < 8; ++nf)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[ri][hh][nf][e] = 0.0f;
-#if WGO_PREF
-            // The zeros in place before any product is issued: NVVM otherwise sinks the moves of
-            // one head's zeros between the other head's state products, inside their pipeline
-            // stage (C7515).
-#pragma unroll
-            for (int ri = 0; ri < NSLOT; ++ri) {
-                wgmma_hold(acc[ri][0]);
-                wgmma_hold(acc[ri][1]);
-            }
-#endif
 
             if (wi.has_state) {
                 // The state stage: acc = C_r bf16(S_h)^T 2^R.
@@ -497,72 +469,6 @@ extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
                 }
             };
 
-#if WGO_PASS && WGO_PREF
-            // WGO_PREF (with WGO_PASS, one row tile r a pass): the visits j = 0 .. r of the row
-            // tile, the scores of visit j + 1 issued before visit j's decay into the other of two
-            // score arrays (the loop unrolled, so that no array is copied and no non-wgmma
-            // instruction writes one: a loop back edge with products in flight made ptxas serialize
-            // them, (C7515)), stage j - 1 released once visit j - 1's products
-            // are done. The pass's stages past r are waited for and released.
-            {
-                const int r = rows[0];
-                const unsigned s0 = s;
-                const auto stage = [&](const int j) { return (s0 + j) % WGO_STAGES; };
-                const auto wait_stage = [&](const int j) {
-                    mbar_wait(smem_addr(&sm.full[stage(j)]), ((s0 + j) / WGO_STAGES) & 1);
-                };
-                const auto scores_of = [&](float(&d)[8][4], const int j) {
-                    wgmma_fence();
-                    scores_ss(d, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])),
-                              wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[stage(j)][0][0])));
-                    wgmma_commit();
-                };
-                unsigned a[2][4][4];
-                const auto visit = [&](const int j, float(&cur)[8][4], float(&nxt)[8][4]) {
-                    wgmma_wait<0>();  // visit j's scores and visit j - 1's products
-                    wgmma_hold(cur);
-                    wgmma_hold(acc[0][0]);
-                    wgmma_hold(acc[0][1]);
-                    if (j > 0) mbar_arrive(smem_addr(&sm.empty[stage(j - 1)]));
-                    // The row factor while no product is in flight (ptxas does not see that the
-                    // diagonal visit issues no next scores).
-                    if (j == r) diag_scale(0);
-                    if (j < r) {
-                        wait_stage(j + 1);
-                        scores_of(nxt, j + 1);
-                    }
-                    if (j == r)
-                        build_a(true, 0, j, cur, a);
-                    else
-                        build_a(false, 0, j, cur, a);
-                    products(0, stage(j), a);
-                };
-                float sa[8][4], sb[8][4];
-                if (r >= 0) {
-                    wait_stage(0);
-                    scores_of(sa, 0);
-                }
-#pragma unroll 1
-                for (int j = 0; j <= r; j += 2) {
-                    visit(j, sa, sb);
-                    if (j + 1 <= r) visit(j + 1, sb, sa);
-                }
-                // Unconditional: ptxas does not see that the visits ran exactly when r >= 0, and
-                // would take a path with products in flight past a conditional wait (C7515).
-                wgmma_wait<0>();
-                wgmma_hold(acc[0][0]);
-                wgmma_hold(acc[0][1]);
-                if (r >= 0) {
-                    finish_row(0, r, stage(r));
-                    mbar_arrive(smem_addr(&sm.empty[stage(r)]));
-                }
-                for (int j = r + 1; j < TJ; ++j) {
-                    wait_stage(j);
-                    mbar_arrive(smem_addr(&sm.empty[stage(j)]));
-                }
-                s += TJ;
-            }
-#else
             for (int j = 0; j < TJ; ++j, ++s) {
                 const unsigned slot = s % WGO_STAGES;
                 mbar_wait(smem_addr(&sm.full[slot]), (s / WGO_STAGES) & 1);
@@ -593,7 +499,6 @@ extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
                 }
                 mbar_arrive(smem_addr(&sm.empty[slot]));
             }
-#endif
         }
         mbar_arrive(smem_addr(&sm.cempty[par]));
     }
