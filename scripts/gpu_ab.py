@@ -89,6 +89,9 @@ def main():
         raise SystemExit(f"each form needs its own label: {labels}")
     # Each shape once, in the order given.
     shapes = list(dict.fromkeys(int(s) for s in a.shapes.split(",") if s.strip()))
+    # 5, the serving shape, prints no BENCH_JSON line: every run would read as failed.
+    if not shapes or any(not 0 <= s <= 4 for s in shapes):
+        raise SystemExit(f"--shapes: indices 0 to 4 expected, got {a.shapes!r}")
     got = {}  # (shape, label) -> list of json
     failed = 0
     with open(a.log, "w") as log:

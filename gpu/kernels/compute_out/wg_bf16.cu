@@ -72,16 +72,10 @@
 // Every consumer thread arrives on `empty` and `cempty` (each mbarrier arrive releases its own
 // thread's reads): one arrival per warp after the warp's barrier (version 56) left racecheck
 // reporting the consumers' reads of dA_cumsum / dt' against the producer's next writes.
+#define WGO_RELEASERS 256  // arrivals that release a stage or a buffer
 #ifndef WGO_PASS
 #define WGO_PASS 1
 #endif
-#define WGO_CWG 2  // consumer warpgroups
-#define WGO_THREADS (128 * (1 + WGO_CWG))  // the block: the producer and the consumers (Kernel::threads)
-#define WGO_RELEASERS (128 * WGO_CWG)  // arrivals that release a stage or a buffer
-// Registers a consumer thread takes (setmaxnreg; the producer keeps 24): the register file of
-// 65,536 less the producer's 128 x 24, over the consumers, rounded down to 8.
-#define WGO_CREGS 240
-static_assert(128 * 24 + 128 * WGO_CWG * WGO_CREGS <= 65536, "the register file");
 // Row slots a consumer warpgroup holds accumulators for: 2, or 1 in passes.
 #define NSLOT (WGO_PASS ? 1 : 2)
 #ifndef WGO_CBUF
@@ -91,7 +85,7 @@ struct ComputeOutWgBf16Smem {
     bf16_t c[WGO_CBUF][WGO_TILES][2][64 * 64];  // [item parity][row tile][dstate half]: C rows
     bf16_t ring[WGO_STAGES][4][64 * 64];  // the states: [2 head + dstate half] bf16(S_h)[p][..];
                                           // token tile j: [dstate half] B_j, then [2 + head] x_j
-    bf16_t o[WGO_CWG][WGO_OUTH][64 * 64];  // [consumer warpgroup][slot]: out rows, for TMA stores
+    bf16_t o[2][WGO_OUTH][64 * 64];       // [consumer warpgroup][slot]: out rows, for TMA stores
     float csl[WGO_CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
                                           // (-inf past the chunk's end)
     float dt[WGO_CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
@@ -158,18 +152,17 @@ __device__ __forceinline__ WgItem wg_item(const ComputeOutWgBf16Params& p, int i
 }
 
 // WGO_PASS: an item in passes, each warpgroup one row tile a pass (64 accumulators a head
-// instead of 128): T <= WGO_CWG, one pass, row wg; else pass 0 rows T - 1 - wg over all T token
-// tiles, and pass 1 the rest over the first T - WGO_CWG: rows wg <= T - 3 (T = 4: causal
-// visits 4 + 1 and 3 + 2). Each pass streams the state stage (if any) and its token tiles again.
-// Without WGO_PASS one pass of both row slots.
-__device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > WGO_CWG) ? 2 : 1; }
-__device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - WGO_CWG : T; }
+// instead of 128): T <= 2, one pass, row wg; T > 2, pass 0 rows T - 1 - wg over all T token
+// tiles, pass 1 rows wg <= T - 3 over the first T - 2 (T = 4: causal visits 4 + 1 and 3 + 2).
+// Each pass streams the state stage (if any) and its token tiles again. Without WGO_PASS one
+// pass of both row slots.
+__device__ __forceinline__ int wg_npass(int T) { return (WGO_PASS && T > 2) ? 2 : 1; }
+__device__ __forceinline__ int wg_pass_tiles(int T, int pass) { return (WGO_PASS && pass == 1) ? T - 2 : T; }
 __device__ __forceinline__ int wg_pass_row(int T, int pass, int wg) {
-    if (T <= WGO_CWG) return wg < T ? wg : -1;
+    if (T <= 2) return wg < T ? wg : -1;
     if (pass == 0) return T - 1 - wg;
     return wg <= T - 3 ? wg : -1;
 }
-static_assert(WGO_TILES <= 2 * WGO_CWG, "two passes cover every row tile");
 
 // The row tile's epilogue for one head: y = acc + D x_i, the z gate, rounded to bf16 into the
 // staging tile ot (swizzled as the loads). RARE: the form with the z gate or D per channel, each
@@ -210,7 +203,7 @@ __device__ __forceinline__ void wg_epilogue(const ComputeOutWgBf16Params& p, con
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(384, 1)
     ssd_compute_out_wg_bf16(const __grid_constant__ ComputeOutWgBf16Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     SSD_DYNAMIC_SMEM(smem_raw);
@@ -305,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(WGO_THREADS, 1)
         return;
     }
 
-    setmaxnreg_inc<WGO_CREGS>();
+    setmaxnreg_inc<240>();
     const int wg = tid / 128 - 1;
     const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const unsigned tok_stride_x = (unsigned)(p.nheads * p.headdim);
