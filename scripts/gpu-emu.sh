@@ -57,5 +57,8 @@ done <<'CASES'
 1 150 2 40 1 24 32 30 3 packed
 1 200 2 16 1 16 64 30 4 packed
 1 260 2 64 1 72 128 12 7 packed
+1 300 10 64 1 72 128 31 21
+1 200 5 128 1 128 256 3 22
+2 260 10 72 2 80 128 1 23
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

@@ -44,7 +44,8 @@ template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; float A16[16][16]; float B16[16][8]; };
-struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[8]; WarpScratch ws[8]; float* dyn; };
+// Up to 20 warps a block (the walking stage 2 with five units: 640 threads).
+struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[20]; WarpScratch ws[20]; float* dyn; };
 extern thread_local dim3e threadIdx, blockIdx, blockDim;
 extern thread_local BlockCtx* g_blk;
 inline void __syncthreads() { g_blk->bar->arrive_and_wait(); }

@@ -11,6 +11,7 @@
 #include "../kernels/fwd_pass_state/passing.cu"
 #include "../kernels/fwd_pass_state/bf16.cu"
 #include "../kernels/fwd_pass_state/chained.cu"
+#include "../kernels/fwd_pass_state/walk.cu"
 #include "../kernels/compute_out/tiles.cuh"
 #include "../kernels/compute_out/fused.cu"
 #include "../kernels/compute_out/scores.cu"

@@ -363,6 +363,44 @@ int main(int argc, char** argv) {
             nans += lean_diff;
             nans += cmp("chained bf16 final_states without chunk_states vs pairs", finHL, finH, 0.0);
         }
+        if (N <= 128) {  // the walking stage 2 (1, 2 or 5 units a block where they divide a group's)
+            const int upg = H / G * ptiles;
+            for (int hb : {1, 2, 5}) {
+                if (upg % hb) continue;
+                const size_t smem = hb == 1 ? ssd_state_walk_bf16_1_layout.smem[0]
+                                  : hb == 2 ? ssd_state_walk_bf16_2_layout.smem[0]
+                                            : ssd_state_walk_bf16_5_layout.smem[0];
+                auto walk = [&](float* cst, float* fin, unsigned short* lo) {
+                    launch({(unsigned)(B * H * ptiles / hb), 1, 1}, 128 * hb, smem, [&] {
+                        const StateChainedBf16Params prm = {xh.data(), bh.data(), dto.data(), dac.data(), initp, seqp, cst, fin, nullptr, L, H, P, G, N, Q, nc, B, lo};
+                        if (hb == 1) ssd_state_walk_bf16_1(prm);
+                        else if (hb == 2) ssd_state_walk_bf16_2(prm);
+                        else ssd_state_walk_bf16_5(prm); });
+                };
+                std::vector<float> cstW(nst, NAN), finW(nfs, NAN), finWL(nfs, NAN);
+                std::vector<unsigned short> loW(nst, 0xffff), loWL(nst, 0xffff);
+                walk(cstW.data(), finW.data(), loW.data());
+                walk(nullptr, finWL.data(), loWL.data());
+                // The same bf16 terms, summed onto the decayed state: f32 rounding apart.
+                char name[64];
+                snprintf(name, sizeof name, "walk%d chunk_states vs pairs", hb);
+                nans += cmp(name, cstW, cstH, 1e-4);
+                snprintf(name, sizeof name, "walk%d final_states vs pairs", hb);
+                nans += cmp(name, finW, finH, 1e-4);
+                std::vector<float> loWf(nst), loHf(nst);
+                size_t rne_bad = 0, lean_bad = 0;
+                for (size_t i = 0; i < nst; ++i) {
+                    loWf[i] = emu_lo(loW[i]); loHf[i] = emu_lo(loH[i]);
+                    rne_bad += loW[i] != (unsigned short)emu_bf16_rne(cstW[i]);
+                    lean_bad += loWL[i] != loW[i];
+                }
+                for (size_t i = 0; i < (size_t)nfs; ++i) lean_bad += std::memcmp(&finWL[i], &finW[i], 4) != 0;
+                snprintf(name, sizeof name, "walk%d states_lo vs 2b", hb);
+                nans += cmp(name, loWf, loHf, 1e-2);
+                printf("walk%d states_lo vs its chunk_states rounded: %zu differ; without chunk_states: %zu differ\n", hb, rne_bad, lean_bad);
+                nans += rne_bad + lean_bad;
+            }
+        }
         nans += cmp("bf16 chunk_states vs v1", cstH, cstR, 3e-2);
         nans += cmp("bf16 final_states vs v1", finH, finR, 3e-2);
         nans += cmp("bf16 out vs v1", outH, outR, 3e-2);

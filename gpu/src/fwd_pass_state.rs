@@ -12,6 +12,32 @@ use crate::runtime::{int, Args};
 use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
+/// The walking stage 2's kernels by units per block.
+const WALK_UNITS: [(usize, Kernel); 3] = [
+    (1, Kernel::StateWalkBf16x1),
+    (2, Kernel::StateWalkBf16x2),
+    (5, Kernel::StateWalkBf16x5),
+];
+
+/// [`crate::StateWalk::Auto`]'s choice of units per block for `units` units on `sms` SMs,
+/// among those that `serves` (1, 2 or 5): none when the units are fewer than the SMs; else the
+/// one whose busiest SM holds the fewest units (`h * ceil(units / h / sms)` with blocks spread
+/// evenly), the larger on a tie.
+pub(crate) fn walk_units_for(
+    units: usize,
+    sms: usize,
+    serves: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    if units < sms || sms == 0 {
+        return None;
+    }
+    WALK_UNITS
+        .iter()
+        .map(|&(h, _)| h)
+        .filter(|&h| serves(h))
+        .min_by_key(|&h| (h * (units / h).div_ceil(sms), std::cmp::Reverse(h)))
+}
+
 /// Largest `dstate` of the chained stage 2: one block holds a unit's whole state rows (128
 /// columns) in its accumulators.
 const CHAINED_MAX_DSTATE: usize = 128;
@@ -101,6 +127,9 @@ impl Gpu {
             .checked_mul(split_tiles)
             .and_then(|g| g.checked_mul(units))
             .filter(|&g| g <= i32::MAX as usize);
+        if let (true, None, Some(units)) = (T::BF16, seq, self.state_walk_units(&d, &o)) {
+            return self.state_walk(inputs, outputs, units);
+        }
         if let (Some(len), None) = (self.chain_len(&d, &o), seq) {
             return self.state_chained(inputs, outputs, len);
         }
@@ -291,6 +320,97 @@ impl Gpu {
         Ok(())
     }
 
+    /// Units per block of the walking stage 2 (`ssd_state_walk_bf16_1`, `_2` or `_5`) where
+    /// it serves bf16 activations of `dims` with `options` (packed problems with per-sequence
+    /// initial states excepted), else `None`. It serves in [`crate::Variant::V3`] where the bf16
+    /// kernels do ([`Gpu::runs_bf16`]), `dstate <= 128`, a block's units (head, 64 headdim rows)
+    /// share one group (the units per group a multiple of the units per block), and its
+    /// shared memory fits this device. [`crate::StateWalk::Auto`] takes it where the units
+    /// (batch x nheads x ceil(headdim / 64)) are at least as many as the SMs, with the units
+    /// per block that leave the fewest units on the busiest SM, the larger on a tie (they
+    /// share each B tile): [`walk_units_for`].
+    ///
+    /// Why the units must fill the device: a block walks its units' chunks one after the
+    /// other, so with fewer units than SMs the chunks of a long row run on a few SMs (at
+    /// (4, 16384, 8) 32 units of 128 chunks each), where 2a + 2b spreads them over all.
+    pub fn state_walk_units(&self, dims: &Dims, options: &Options) -> Option<usize> {
+        if self.config().variant != crate::Variant::V3
+            || dims.dstate > CHAINED_MAX_DSTATE
+            || !self.runs_bf16(dims, options)
+        {
+            return None;
+        }
+        let per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(TILE_P);
+        let serves = |h: usize| {
+            per_group.is_multiple_of(h)
+                && WALK_UNITS
+                    .iter()
+                    .find(|(u, _)| *u == h)
+                    .is_some_and(|(_, k)| self.fits(*k, dims.dstate))
+        };
+        match self.config().state_walk {
+            crate::StateWalk::Off => None,
+            crate::StateWalk::Units(h) => serves(h).then_some(h),
+            crate::StateWalk::Auto => {
+                let units = dims.batch * dims.nheads * dims.headdim.div_ceil(TILE_P);
+                walk_units_for(units, self.sm_count, serves)
+            }
+        }
+    }
+
+    /// Enqueues the walking stage 2 with `units` units per block ([`Gpu::state_walk_units`]).
+    fn state_walk<T: IoElement>(
+        &self,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
+        units: usize,
+    ) -> Result<(), GpuError> {
+        let d = inputs.dims;
+        let o = inputs.options;
+        let Some(&(_, kernel)) = WALK_UNITS.iter().find(|(u, _)| *u == units) else {
+            return Err(GpuError::Internal(format!(
+                "no walking stage 2 with {units} units per block"
+            )));
+        };
+        let blocks = d.batch * d.nheads * d.headdim.div_ceil(TILE_P) / units;
+        let Some(states_lo) = outputs.states_lo.as_mut() else {
+            return Err(GpuError::Internal(
+                "bf16 outputs without the states' bf16 copy".into(),
+            ));
+        };
+        let mut args = Args::new(&self.stream);
+        let params = StateChainedParams {
+            x: args.read(&inputs.x),
+            b: args.read(&inputs.B),
+            dt_out: args.read(&outputs.dt),
+            da_cumsum: args.read(&outputs.dA_cumsum),
+            initial_states: args.opt(inputs.initial_states.as_ref()),
+            seq_idx: args.opt(inputs.seq_idx.as_ref()),
+            chunk_states: if outputs.keep_chunk_states {
+                args.write(&mut outputs.chunk_states)
+            } else {
+                0
+            },
+            final_states: args.write(&mut outputs.final_states),
+            chain: 0,
+            sizes: StateSizes::new(&d, &o),
+            batch: int(d.batch),
+            states_lo: args.write(states_lo),
+        };
+        // SAFETY: `StateChainedParams` is the struct of the walking kernels
+        // (kernels/fwd_pass_state/walk.cu reads it as the chained kernels' bf16 struct, bf16 x
+        // and B, which `T` is; `chain` unread); every buffer was checked against the sizes
+        // (`check_buffers`); `state_walk_units` checked what the kernel asks: the bf16 kernels
+        // serve the shape (`check_bf16`: 16-byte rows, offsets within 32 bits), dstate <= 128,
+        // the units per group a multiple of `units` (so `blocks` is whole and each block's
+        // units share a group), and its shared memory fits this device; the grid is `blocks`
+        // (at most batch x nheads x headdim, within u32 by `shape::check`); `states_lo` has
+        // the length of `chunk_states` (`check_states_lo`); `chunk_states` is 0 (not written)
+        // only where the outputs do not keep it.
+        unsafe { self.launch(kernel, (blocks as u32, 1, 1), d.dstate, &params) }?;
+        Ok(())
+    }
+
     /// Which 2a kernel serves `dims` on this device (see [`state_local_variant`]).
     pub(crate) fn state_local_variant(&self, dims: &Dims) -> Kernel {
         let wide_fits = self.fits(Kernel::ChunkStateLocalWide, dims.dstate);
@@ -299,5 +419,27 @@ impl Gpu {
             StateLocal::Wide => Kernel::ChunkStateLocalWide,
             StateLocal::Narrow => Kernel::ChunkStateLocal,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::walk_units_for;
+
+    #[test]
+    fn walk_units_leave_the_fewest_on_the_busiest_sm() {
+        let all = |_: usize| true;
+        // (8, 8192, 80, 64): 640 units on 132 SMs: 5 a block (128 blocks, 5 units on an SM)
+        // ties one a block (5 on the busiest SM) and wins as the larger; 2 would leave 6.
+        assert_eq!(walk_units_for(640, 132, all), Some(5));
+        // (4, 4096, 80, 64): 320 units: one a block leaves 3 on the busiest SM, two 4, five 5.
+        assert_eq!(walk_units_for(320, 132, all), Some(1));
+        // (8, 2048, 24, 64): 192 units: one or two a block both leave 2; two share B.
+        assert_eq!(walk_units_for(192, 132, all), Some(2));
+        // Only what serves: 24 heads a group is no multiple of 5.
+        assert_eq!(walk_units_for(640, 132, |h| h != 5), Some(1));
+        // Fewer units than SMs: the chunks of a row would run on a few SMs.
+        assert_eq!(walk_units_for(32, 132, all), None);
+        assert_eq!(walk_units_for(640, 132, |_| false), None);
     }
 }

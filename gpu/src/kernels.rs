@@ -33,6 +33,7 @@ sources!(
     "fwd_pass_state/passing.cu",
     "fwd_pass_state/bf16.cu",
     "fwd_pass_state/chained.cu",
+    "fwd_pass_state/walk.cu",
     "compute_out/tiles.cuh",
     "compute_out/fused.cu",
     "compute_out/scores.cu",
@@ -94,12 +95,19 @@ pub enum Kernel {
     /// Stage 3 (scores included) on Hopper: bf16 `x`, `B`, `C`, `z` and `out`, TMA copies and
     /// `wgmma` products.
     ComputeOutWgBf16,
+    /// Stage 2 with bf16 `x` and `B`, each block walking the chunks with its units' states in
+    /// registers: one unit per block.
+    StateWalkBf16x1,
+    /// [`Kernel::StateWalkBf16x1`] with two units per block.
+    StateWalkBf16x2,
+    /// [`Kernel::StateWalkBf16x1`] with five units per block.
+    StateWalkBf16x5,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 22] = [
+    pub const ALL: [Kernel; 25] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -122,6 +130,9 @@ impl Kernel {
         Kernel::StateChained,
         Kernel::StateChainedBf16,
         Kernel::ComputeOutWgBf16,
+        Kernel::StateWalkBf16x1,
+        Kernel::StateWalkBf16x2,
+        Kernel::StateWalkBf16x5,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -149,6 +160,9 @@ impl Kernel {
             Kernel::StateChained => "ssd_state_chained",
             Kernel::StateChainedBf16 => "ssd_state_chained_bf16",
             Kernel::ComputeOutWgBf16 => "ssd_compute_out_wg_bf16",
+            Kernel::StateWalkBf16x1 => "ssd_state_walk_bf16_1",
+            Kernel::StateWalkBf16x2 => "ssd_state_walk_bf16_2",
+            Kernel::StateWalkBf16x5 => "ssd_state_walk_bf16_5",
         }
     }
 
@@ -163,7 +177,8 @@ impl Kernel {
             | Kernel::ChunkCbBf16
             | Kernel::ComputeOutCb
             | Kernel::SeqInitOut
-            | Kernel::StatesAt => 128,
+            | Kernel::StatesAt
+            | Kernel::StateWalkBf16x1 => 128,
             Kernel::ChunkCumsumTiled
             | Kernel::ChunkStateLocalWide
             | Kernel::ChunkStateLocalPair
@@ -175,8 +190,10 @@ impl Kernel {
             | Kernel::WidenBf16
             | Kernel::NarrowBf16
             | Kernel::StateChained
-            | Kernel::StateChainedBf16 => 256,
+            | Kernel::StateChainedBf16
+            | Kernel::StateWalkBf16x2 => 256,
             Kernel::ComputeOutWgBf16 => 384,
+            Kernel::StateWalkBf16x5 => 640,
         }
     }
 
@@ -201,7 +218,11 @@ impl Kernel {
             Kernel::SeqInitOut => size_of::<SeqInitOutParams>(),
             Kernel::StatesAt => size_of::<StatesAtParams>(),
             Kernel::WidenBf16 | Kernel::NarrowBf16 => size_of::<ConvertParams>(),
-            Kernel::StateChained | Kernel::StateChainedBf16 => size_of::<StateChainedParams>(),
+            Kernel::StateChained
+            | Kernel::StateChainedBf16
+            | Kernel::StateWalkBf16x1
+            | Kernel::StateWalkBf16x2
+            | Kernel::StateWalkBf16x5 => size_of::<StateChainedParams>(),
             Kernel::ComputeOutWgBf16 => size_of::<ComputeOutWgParams>(),
         }
     }

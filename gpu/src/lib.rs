@@ -60,6 +60,8 @@ pub use error::GpuError;
 pub use host::{default_gpu, forward, forward_bf16, forward_packed, gpu_for};
 pub use io::{Bf16, IoElement};
 pub use kernels::Kernel;
-pub use runtime::{driver_present, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, Variant};
+pub use runtime::{
+    driver_present, DeviceInputs, DeviceOutputs, Gpu, GpuConfig, StateWalk, Variant,
+};
 pub use serving::{DevicePacking, DeviceServingOutputs};
 pub use shape::{check as check_shape, seq_idx_to_i32, Lengths, MAX_CHUNK_SIZE, MAX_DSTATE};

@@ -56,6 +56,26 @@ pub struct GpuConfig {
     /// instead, as in [`Variant::V2`]) while the rest of [`Variant::V3`] stays: for comparing
     /// the two output stages in one program (`SSD_GPU_WG=0` in [`GpuConfig::from_env`]).
     pub no_wg_out: bool,
+    /// Where stage 2 of bf16 activations walks the chunks with the states in registers
+    /// (`ssd_state_walk_bf16_*`, [`Gpu::state_walk_units`]).
+    pub state_walk: StateWalk,
+}
+
+/// Whether stage 2 of bf16 activations runs on the walking kernels (`ssd_state_walk_bf16_1`,
+/// `_2`, `_5`: each block holds 1, 2 or 5 units' states in registers and walks the chunks in
+/// order, see `docs/gpu.md`) in [`Variant::V3`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum StateWalk {
+    /// Where the units (batch x heads x 64-row slices of headdim) fill the device, with the
+    /// units per block that leave the fewest on the busiest SM ([`Gpu::state_walk_units`]).
+    Auto,
+    /// Never: the chained kernel or 2a + 2b, as for f32. The default until the walking
+    /// kernels have been timed against the chained kernel on the GPU (`docs/gpu.md`).
+    #[default]
+    Off,
+    /// Always where the kernel with this many units per block (1, 2 or 5) serves the shape,
+    /// however few the units: for tests and A/B runs.
+    Units(usize),
 }
 
 impl GpuConfig {
@@ -66,13 +86,15 @@ impl GpuConfig {
             variant,
             persistent_blocks: None,
             no_wg_out: false,
+            state_walk: StateWalk::default(),
         }
     }
 
     /// The configuration the command-line tools take from the environment: `SSD_GPU_V1=1`
     /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`], else
     /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; `SSD_GPU_WG=0` sets [`GpuConfig::no_wg_out`];
-    /// device 0.
+    /// `SSD_GPU_WALK=0` sets [`StateWalk::Off`], `SSD_GPU_WALK=auto` [`StateWalk::Auto`],
+    /// `SSD_GPU_WALK=1`, `2` or `5` [`StateWalk::Units`]; device 0.
     pub fn from_env() -> Self {
         let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x == v);
         let variant = if on("SSD_GPU_V1", "1") {
@@ -84,8 +106,15 @@ impl GpuConfig {
         } else {
             Variant::V3
         };
+        let state_walk = match std::env::var("SSD_GPU_WALK").ok().as_deref() {
+            Some("0") => StateWalk::Off,
+            Some("auto") => StateWalk::Auto,
+            Some(v) => v.parse().map_or(StateWalk::default(), StateWalk::Units),
+            None => StateWalk::default(),
+        };
         GpuConfig {
             no_wg_out: on("SSD_GPU_WG", "0"),
+            state_walk,
             ..GpuConfig::variant(variant)
         }
     }

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use ssd_gpu::{DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError, IoElement, Variant};
+use ssd_gpu::{
+    DeviceInputs, DeviceOutputs, Gpu, GpuConfig, GpuError, IoElement, StateWalk, Variant,
+};
 use ssd_reference::random::{
     random_pair_spec, random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng,
 };
@@ -80,6 +82,21 @@ pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
         Ok(g) => vec![(Variant::V3, g)],
         Err(e) => {
             panic!("{test}: the GPU could not be set up with {blocks} persistent blocks: {e}")
+        }
+    }
+}
+
+/// The default variant with the walking stage 2 forced to `units` units per block
+/// (`StateWalk::Units`) wherever that kernel serves the shape, however few its units.
+pub fn walk_gpu(test: &str, units: usize) -> Vec<(Variant, Arc<Gpu>)> {
+    let config = GpuConfig {
+        state_walk: StateWalk::Units(units),
+        ..variant_config(Variant::V3)
+    };
+    match ssd_gpu::gpu_for(config) {
+        Ok(g) => vec![(Variant::V3, g)],
+        Err(e) => {
+            panic!("{test}: the GPU could not be set up with the walking stage 2 ({units} units a block): {e}")
         }
     }
 }
@@ -388,6 +405,17 @@ pub fn assert_chained_matches_staged(
     let (Some(chained), Some(staged)) = (find(Variant::V3), find(Variant::V2)) else {
         println!("{label}: skipped: the chained or the stage-by-stage variant is not open");
         return;
+    };
+    // bf16 activations of these shapes take the walking stage 2 by default: the chained
+    // kernel's own device has it off.
+    let chained = if io == Io::Bf16 {
+        ssd_gpu::gpu_for(GpuConfig {
+            state_walk: StateWalk::Off,
+            ..chained.config()
+        })
+        .expect("the GPU, the walking stage 2 off")
+    } else {
+        chained
     };
     let mut served = 0;
     for (spec, seed) in specs {
