@@ -25,7 +25,8 @@ g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wno-unknown-pragmas -
   "$root/gpu/emu/main.cpp" -o "$work/emu"
 fail=0
 # batch seqlen nheads headdim ngroups dstate chunk opts seed [packed]
-# opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus
+# opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus, 32 slow
+# decay (A 100 times smaller: states outlive their chunks)
 while read -r args; do
   [ -z "$args" ] && continue
   out=$("$work/emu" $args)
@@ -60,5 +61,7 @@ done <<'CASES'
 1 300 10 64 1 72 128 31 21
 1 200 5 128 1 128 256 3 22
 2 260 10 72 2 80 128 1 23
+1 600 10 64 1 72 128 62 24
+2 300 10 72 2 80 128 33 25
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

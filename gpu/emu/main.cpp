@@ -3,7 +3,8 @@
 // state pass + ssd_compute_out) and version 2 (ssd_chunk_state_local + ssd_state_passing,
 // ssd_chunk_cb + ssd_compute_out_cb) of the SSD forward on one random problem and compares them.
 // Arguments: batch seqlen nheads headdim ngroups dstate chunk opts seed [packed]
-// (opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus).
+// (opts bits: 1 seq_idx, 2 initial states, 4 z, 8 D per channel, 16 dt_bias + softplus, 32 slow
+// decay).
 // With `packed` (batch 1): the row is split into random sequences (zero-length ones included),
 // seq_idx is the one the split implies, bit 2 gives each sequence an initial state (some masked
 // off), and the packed path (stage 2 with chunk_init, ssd_seq_init_out, ssd_states_at) is also
@@ -136,12 +137,14 @@ size_t packed_path(const std::vector<int>& cu, const std::vector<int>& seq, cons
 
 int main(int argc, char** argv) {
     int B = atoi(argv[1]), L = atoi(argv[2]), H = atoi(argv[3]), P = atoi(argv[4]), G = atoi(argv[5]), N = atoi(argv[6]), Q = atoi(argv[7]);
-    int opts = atoi(argv[8]);  // bit0 seq_idx, bit1 init, bit2 z, bit3 D per channel, bit4 dt_bias+softplus
+    int opts = atoi(argv[8]);  // bit0 seq_idx, bit1 init, bit2 z, bit3 D per channel, bit4 dt_bias+softplus, bit5 slow decay
     std::mt19937 rng(atoi(argv[9]));
-    std::uniform_real_distribution<float> U(-1, 1), Udt(0.001f, 0.1f), UA(-4, -0.5f);
+    // bit 5: A 100 times smaller, so that a state outlives its chunk (exp(cs[last]) about 0.5
+    // to 0.99 at 128 tokens instead of about 1e-6): the decay between chunks is then visible.
+    std::uniform_real_distribution<float> U(-1, 1), Udt(0.001f, 0.1f), UA(-4, -0.5f), UAslow(-0.04f, -0.005f);
     auto vec = [&](size_t n, std::uniform_real_distribution<float>& d) { std::vector<float> v(n); for (auto& e : v) e = d(rng); return v; };
     int nc = (L + Q - 1) / Q;
-    auto x = vec((size_t)B * L * H * P, U), dt = vec((size_t)B * L * H, Udt), A = vec(H, UA);
+    auto x = vec((size_t)B * L * H * P, U), dt = vec((size_t)B * L * H, Udt), A = vec(H, (opts & 32) ? UAslow : UA);
     auto Bm = vec((size_t)B * L * G * N, U), Cm = vec((size_t)B * L * G * N, U);
     auto z = vec((size_t)B * L * H * P, U);
     auto Dv = vec((opts & 8) ? H * P : H, U);
@@ -287,6 +290,26 @@ int main(int argc, char** argv) {
             ssd_state_chained({x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstC.data(), finC.data(), chain.data(), L, H, P, G, N, Q, nc, B}); });
         nans += cmp("chained chunk_states vs pairs", cstC, cstP, 0.0);
         nans += cmp("chained final_states vs pairs", finC, finP, 0.0);
+        // The walking stage 2 in f32 (1, 2 or 5 units a block where they divide a group's): the
+        // same TF32 terms, summed onto the decayed state.
+        const int upg = H / G * ptiles;
+        for (int hb : {1, 2, 5}) {
+            if (upg % hb) continue;
+            const size_t smem = hb == 1 ? ssd_state_walk_1_layout.smem[0]
+                              : hb == 2 ? ssd_state_walk_2_layout.smem[0]
+                                        : ssd_state_walk_5_layout.smem[0];
+            std::vector<float> cstW(nst, NAN), finW(nfs, NAN);
+            launch({(unsigned)(B * H * ptiles / hb), 1, 1}, 128 * hb, smem, [&] {
+                const StateChainedParams prm = {x.data(), Bm.data(), dto.data(), dac.data(), initp, seqp, cstW.data(), finW.data(), nullptr, L, H, P, G, N, Q, nc, B, nullptr};
+                if (hb == 1) ssd_state_walk_1(prm);
+                else if (hb == 2) ssd_state_walk_2(prm);
+                else ssd_state_walk_5(prm); });
+            char name[64];
+            snprintf(name, sizeof name, "walk%d f32 chunk_states vs pairs", hb);
+            nans += cmp(name, cstW, cstP, 1e-4);
+            snprintf(name, sizeof name, "walk%d f32 final_states vs pairs", hb);
+            nans += cmp(name, finW, finP, 1e-4);
+        }
     } else {
         printf("chained stage 2: not applicable\n");
     }

@@ -12,12 +12,20 @@ use crate::runtime::{int, Args};
 use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
 use crate::{DeviceInputs, DeviceOutputs, Gpu, GpuError, IoElement};
 
-/// The walking stage 2's kernels by units per block.
-const WALK_UNITS: [(usize, Kernel); 3] = [
-    (1, Kernel::StateWalkBf16x1),
-    (2, Kernel::StateWalkBf16x2),
-    (5, Kernel::StateWalkBf16x5),
+/// The walking stage 2's kernels by units per block: `(units, f32 kernel, bf16 kernel)`.
+const WALK_UNITS: [(usize, Kernel, Kernel); 3] = [
+    (1, Kernel::StateWalkX1, Kernel::StateWalkBf16x1),
+    (2, Kernel::StateWalkX2, Kernel::StateWalkBf16x2),
+    (5, Kernel::StateWalkX5, Kernel::StateWalkBf16x5),
 ];
+
+/// The walking kernel with `units` units per block for bf16 activations or f32 ones.
+fn walk_kernel(units: usize, bf16: bool) -> Option<Kernel> {
+    WALK_UNITS
+        .iter()
+        .find(|(u, _, _)| *u == units)
+        .map(|&(_, f, b)| if bf16 { b } else { f })
+}
 
 /// [`crate::StateWalk::Auto`]'s choice of units per block for `units` units on `sms` SMs,
 /// among those that `serves` (1, 2 or 5): none when the units are fewer than the SMs; else the
@@ -33,7 +41,7 @@ pub(crate) fn walk_units_for(
     }
     WALK_UNITS
         .iter()
-        .map(|&(h, _)| h)
+        .map(|&(h, _, _)| h)
         .filter(|&h| serves(h))
         .min_by_key(|&h| (h * (units / h).div_ceil(sms), std::cmp::Reverse(h)))
 }
@@ -127,7 +135,7 @@ impl Gpu {
             .checked_mul(split_tiles)
             .and_then(|g| g.checked_mul(units))
             .filter(|&g| g <= i32::MAX as usize);
-        if let (true, None, Some(units)) = (T::BF16, seq, self.state_walk_units(&d, &o)) {
+        if let (None, Some(units)) = (seq, self.state_walk_units(&d, &o, T::BF16)) {
             return self.state_walk(inputs, outputs, units);
         }
         if let (Some(len), None) = (self.chain_len(&d, &o), seq) {
@@ -320,10 +328,12 @@ impl Gpu {
         Ok(())
     }
 
-    /// Units per block of the walking stage 2 (`ssd_state_walk_bf16_1`, `_2` or `_5`) where
-    /// it serves bf16 activations of `dims` with `options` (packed problems with per-sequence
-    /// initial states excepted), else `None`. It serves in [`crate::Variant::V3`] where the bf16
-    /// kernels do ([`Gpu::runs_bf16`]), `dstate <= 128`, a block's units (head, 64 headdim rows)
+    /// Units per block of the walking stage 2 (`ssd_state_walk_1`, `_2` or `_5`, and
+    /// `ssd_state_walk_bf16_*` for bf16 activations: `bf16`) where it serves `dims` with
+    /// `options` (packed problems with per-sequence initial states excepted), else `None`. It
+    /// serves in [`crate::Variant::V3`] with `headdim` and `dstate` multiples of 4 (16-byte
+    /// copies; for bf16 where the bf16 kernels serve, [`Gpu::runs_bf16`]), `dstate <= 128`, a
+    /// block's units (head, 64 headdim rows)
     /// share one group (the units per group a multiple of the units per block), and its
     /// shared memory fits this device. [`crate::StateWalk::Auto`] takes it where the units
     /// (batch x nheads x ceil(headdim / 64)) are at least as many as the SMs, with the units
@@ -333,20 +343,18 @@ impl Gpu {
     /// Why the units must fill the device: a block walks its units' chunks one after the
     /// other, so with fewer units than SMs the chunks of a long row run on a few SMs (at
     /// (4, 16384, 8) 32 units of 128 chunks each), where 2a + 2b spreads them over all.
-    pub fn state_walk_units(&self, dims: &Dims, options: &Options) -> Option<usize> {
+    pub fn state_walk_units(&self, dims: &Dims, options: &Options, bf16: bool) -> Option<usize> {
         if self.config().variant != crate::Variant::V3
             || dims.dstate > CHAINED_MAX_DSTATE
-            || !self.runs_bf16(dims, options)
+            || !(dims.headdim.is_multiple_of(4) && dims.dstate.is_multiple_of(4))
+            || (bf16 && !self.runs_bf16(dims, options))
         {
             return None;
         }
         let per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(TILE_P);
         let serves = |h: usize| {
             per_group.is_multiple_of(h)
-                && WALK_UNITS
-                    .iter()
-                    .find(|(u, _)| *u == h)
-                    .is_some_and(|(_, k)| self.fits(*k, dims.dstate))
+                && walk_kernel(h, bf16).is_some_and(|k| self.fits(k, dims.dstate))
         };
         match self.config().state_walk {
             crate::StateWalk::Off => None,
@@ -367,17 +375,17 @@ impl Gpu {
     ) -> Result<(), GpuError> {
         let d = inputs.dims;
         let o = inputs.options;
-        let Some(&(_, kernel)) = WALK_UNITS.iter().find(|(u, _)| *u == units) else {
+        let Some(kernel) = walk_kernel(units, T::BF16) else {
             return Err(GpuError::Internal(format!(
                 "no walking stage 2 with {units} units per block"
             )));
         };
         let blocks = d.batch * d.nheads * d.headdim.div_ceil(TILE_P) / units;
-        let Some(states_lo) = outputs.states_lo.as_mut() else {
+        if T::BF16 && outputs.states_lo.is_none() {
             return Err(GpuError::Internal(
                 "bf16 outputs without the states' bf16 copy".into(),
             ));
-        };
+        }
         let mut args = Args::new(&self.stream);
         let params = StateChainedParams {
             x: args.read(&inputs.x),
@@ -386,27 +394,30 @@ impl Gpu {
             da_cumsum: args.read(&outputs.dA_cumsum),
             initial_states: args.opt(inputs.initial_states.as_ref()),
             seq_idx: args.opt(inputs.seq_idx.as_ref()),
-            chunk_states: if outputs.keep_chunk_states {
-                args.write(&mut outputs.chunk_states)
-            } else {
+            // The bf16 output kernel reads `states_lo`, the f32 one `chunk_states`.
+            chunk_states: if T::BF16 && !outputs.keep_chunk_states {
                 0
+            } else {
+                args.write(&mut outputs.chunk_states)
             },
             final_states: args.write(&mut outputs.final_states),
             chain: 0,
             sizes: StateSizes::new(&d, &o),
             batch: int(d.batch),
-            states_lo: args.write(states_lo),
+            states_lo: outputs.states_lo.as_mut().map_or(0, |s| args.write(s)),
         };
         // SAFETY: `StateChainedParams` is the struct of the walking kernels
-        // (kernels/fwd_pass_state/walk.cu reads it as the chained kernels' bf16 struct, bf16 x
-        // and B, which `T` is; `chain` unread); every buffer was checked against the sizes
-        // (`check_buffers`); `state_walk_units` checked what the kernel asks: the bf16 kernels
-        // serve the shape (`check_bf16`: 16-byte rows, offsets within 32 bits), dstate <= 128,
+        // (kernels/fwd_pass_state/walk.cu reads it as the chained kernels' struct, bf16 x and B
+        // in the bf16 kernels, which `T` is then; `chain` unread, `states_lo` unread in f32);
+        // every buffer was checked against the sizes (`check_buffers`); `state_walk_units`
+        // checked what the kernel asks: headdim and dstate multiples of 4, 16-byte rows (for
+        // bf16 `check_bf16`: multiples of 8; the kernel's 32-bit offsets stay within one
+        // stage's rows, its row offsets are 64-bit), dstate <= 128,
         // the units per group a multiple of `units` (so `blocks` is whole and each block's
         // units share a group), and its shared memory fits this device; the grid is `blocks`
         // (at most batch x nheads x headdim, within u32 by `shape::check`); `states_lo` has
-        // the length of `chunk_states` (`check_states_lo`); `chunk_states` is 0 (not written)
-        // only where the outputs do not keep it.
+        // the length of `chunk_states` (`check_states_lo`) where given; `chunk_states` is 0
+        // (not written) only for bf16 outputs that do not keep it.
         unsafe { self.launch(kernel, (blocks as u32, 1, 1), d.dstate, &params) }?;
         Ok(())
     }

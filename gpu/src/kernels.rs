@@ -95,19 +95,25 @@ pub enum Kernel {
     /// Stage 3 (scores included) on Hopper: bf16 `x`, `B`, `C`, `z` and `out`, TMA copies and
     /// `wgmma` products.
     ComputeOutWgBf16,
-    /// Stage 2 with bf16 `x` and `B`, each block walking the chunks with its units' states in
-    /// registers: one unit per block.
+    /// Stage 2, each block walking the chunks with its units' states in registers: one unit
+    /// per block.
+    StateWalkX1,
+    /// [`Kernel::StateWalkX1`] with two units per block.
+    StateWalkX2,
+    /// [`Kernel::StateWalkX1`] with five units per block.
+    StateWalkX5,
+    /// [`Kernel::StateWalkX1`] with bf16 `x` and `B`.
     StateWalkBf16x1,
-    /// [`Kernel::StateWalkBf16x1`] with two units per block.
+    /// [`Kernel::StateWalkX2`] with bf16 `x` and `B`.
     StateWalkBf16x2,
-    /// [`Kernel::StateWalkBf16x1`] with five units per block.
+    /// [`Kernel::StateWalkX5`] with bf16 `x` and `B`.
     StateWalkBf16x5,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 25] = [
+    pub const ALL: [Kernel; 28] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -130,6 +136,9 @@ impl Kernel {
         Kernel::StateChained,
         Kernel::StateChainedBf16,
         Kernel::ComputeOutWgBf16,
+        Kernel::StateWalkX1,
+        Kernel::StateWalkX2,
+        Kernel::StateWalkX5,
         Kernel::StateWalkBf16x1,
         Kernel::StateWalkBf16x2,
         Kernel::StateWalkBf16x5,
@@ -160,6 +169,9 @@ impl Kernel {
             Kernel::StateChained => "ssd_state_chained",
             Kernel::StateChainedBf16 => "ssd_state_chained_bf16",
             Kernel::ComputeOutWgBf16 => "ssd_compute_out_wg_bf16",
+            Kernel::StateWalkX1 => "ssd_state_walk_1",
+            Kernel::StateWalkX2 => "ssd_state_walk_2",
+            Kernel::StateWalkX5 => "ssd_state_walk_5",
             Kernel::StateWalkBf16x1 => "ssd_state_walk_bf16_1",
             Kernel::StateWalkBf16x2 => "ssd_state_walk_bf16_2",
             Kernel::StateWalkBf16x5 => "ssd_state_walk_bf16_5",
@@ -178,6 +190,7 @@ impl Kernel {
             | Kernel::ComputeOutCb
             | Kernel::SeqInitOut
             | Kernel::StatesAt
+            | Kernel::StateWalkX1
             | Kernel::StateWalkBf16x1 => 128,
             Kernel::ChunkCumsumTiled
             | Kernel::ChunkStateLocalWide
@@ -191,9 +204,10 @@ impl Kernel {
             | Kernel::NarrowBf16
             | Kernel::StateChained
             | Kernel::StateChainedBf16
+            | Kernel::StateWalkX2
             | Kernel::StateWalkBf16x2 => 256,
             Kernel::ComputeOutWgBf16 => 384,
-            Kernel::StateWalkBf16x5 => 640,
+            Kernel::StateWalkX5 | Kernel::StateWalkBf16x5 => 640,
         }
     }
 
@@ -220,6 +234,9 @@ impl Kernel {
             Kernel::WidenBf16 | Kernel::NarrowBf16 => size_of::<ConvertParams>(),
             Kernel::StateChained
             | Kernel::StateChainedBf16
+            | Kernel::StateWalkX1
+            | Kernel::StateWalkX2
+            | Kernel::StateWalkX5
             | Kernel::StateWalkBf16x1
             | Kernel::StateWalkBf16x2
             | Kernel::StateWalkBf16x5 => size_of::<StateChainedParams>(),

@@ -10,7 +10,7 @@
 //! makes that a failure. `SSD_GPU_BF16_CASES` sets the number of fuzz cases (default 2000),
 //! `SSD_GPU_BF16_PAIR_CASES` those on the bf16 kernels' shapes (default 2000),
 //! `SSD_GPU_BF16_WG_CASES` those on the Hopper output kernel's shapes (default 2000),
-//! `SSD_GPU_BF16_WALK_CASES` those of each form of the walking stage 2 (default 700), `SSD_GPU_SEED`
+//! `SSD_GPU_WALK_CASES` those of each form of the walking stage 2 (default 700), `SSD_GPU_SEED`
 //! the first seed.
 
 mod gpu_support;
@@ -130,48 +130,23 @@ fn gpu_bf16_hopper_output_kernel_shapes() {
     );
 }
 
-/// A spec the walking stage 2 with `units` units per block serves when forced
-/// (`StateWalk::Units`): a bf16 kernel shape with dstate at most 128, and for five units a
-/// block ten units per group (5 heads of 65 to 128 rows or 10 of at most 64).
-fn walk_spec(rng: &mut SpecRng, units: usize) -> ProblemSpec {
-    let mut spec = bf16_kernel_spec(rng);
-    let d = &mut spec.dims;
-    d.dstate = d.dstate.min(128);
-    if units == 5 {
-        d.nheads = d.ngroups * 10 / d.headdim.div_ceil(64);
-        let per_token = d.batch * d.nheads * d.headdim * d.dstate;
-        d.seqlen = d.seqlen.min((4_000_000 / per_token).max(65));
-    }
-    spec
-}
-
 /// The walking stage 2 (`ssd_state_walk_bf16_1`, `_2`, `_5`) forced on its shapes, each form
-/// on `SSD_GPU_BF16_WALK_CASES` (default 700) cases of every option, against the float64
-/// reference; then the shapes of `gpu_bf16_sanitizer_shapes` it serves, on each form.
+/// on `SSD_GPU_WALK_CASES` (default 700) cases of every option, against the float64 reference;
+/// then the sanitizer shapes and two more that it serves, on each form.
 #[test]
 fn gpu_bf16_walking_stage2_shapes() {
     let Some(_) = gpu_or_skip("gpu_bf16_walking_stage2_shapes") else {
         return;
     };
-    for (k, units) in [1usize, 2, 5].into_iter().enumerate() {
-        let gpus = walk_gpu("gpu_bf16_walking_stage2_shapes", units);
-        let specs = draw_specs(
-            env_usize("SSD_GPU_BF16_WALK_CASES", 700),
-            0xBF5_0000 + k as u64 * 0x1000,
-            16_000_000 + k as u64 * 100_000,
-            |rng| walk_spec(rng, units),
-        );
-        let label = format!("bf16 walking stage 2 shapes, {units} units a block");
-        println!("{label}: {}", coverage(&specs));
-        run_served_cases(
-            &label,
-            &gpus,
-            &specs,
-            Io::Bf16,
-            "walking stage 2",
-            |gpu, s| gpu.state_walk_units(&s.dims, &s.options) == Some(units),
-        );
-    }
+    let mut fixed = bf16_sanitizer_specs();
+    fixed.extend(walk_fixed_specs());
+    check_walk(
+        "gpu_bf16_walking_stage2_shapes",
+        Io::Bf16,
+        0xBF5_0000,
+        16_000_000,
+        &fixed,
+    );
 }
 
 #[test]
@@ -236,31 +211,20 @@ fn gpu_bf16_sanitizer_shapes() {
     }
     let wg: Vec<(ProblemSpec, u64)> = wg.into_iter().zip(320..).collect();
     // The walking stage 2, each form on the shapes above that it serves, and on ten units a
-    // group (every option, then without seq_idx, two row tiles a head and a ragged last one).
+    // group.
     let mut walk = bf16_sanitizer_specs();
-    walk.push((
-        ProblemSpec::full(Dims::new(1, 300, 10, 64, 1, 72), 128),
-        330,
-    ));
-    let mut tiles = ProblemSpec::full(Dims::new(2, 260, 10, 72, 2, 80), 128);
-    tiles.seq_idx = SeqIdx::None;
-    walk.push((tiles, 331));
+    walk.extend(walk_fixed_specs());
     for units in [1usize, 2, 5] {
         let gpus = walk_gpu("gpu_bf16_sanitizer_shapes", units);
         let served: Vec<(ProblemSpec, u64)> = walk
             .iter()
-            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options) == Some(units))
+            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, true) == Some(units))
             .cloned()
             .collect();
         report(
             &format!("bf16 sanitizer shapes, walking stage 2, {units} units a block"),
             &run_cases(&gpus, &served, Io::Bf16),
             served.len(),
-        );
-        println!(
-            "bf16 sanitizer shapes: the walking stage 2 ({units} units a block) served {} of {}",
-            served.len(),
-            walk.len()
         );
     }
     let capped = capped_gpu("gpu_bf16_sanitizer_shapes", 2);
@@ -288,12 +252,9 @@ fn gpu_bf16_outputs_are_fully_written() {
         return;
     };
     assert_fully_written(&gpus, &bf16_sanitizer_specs(), Io::Bf16);
-    // The walking stage 2 on a shape every form serves (and where seq_idx is drawn: all).
+    // The walking stage 2, also on shapes every form serves.
     let mut walk = bf16_sanitizer_specs();
-    walk.push((
-        ProblemSpec::full(Dims::new(1, 300, 10, 64, 1, 72), 128),
-        330,
-    ));
+    walk.extend(walk_fixed_specs());
     for units in [1usize, 2, 5] {
         assert_fully_written(
             &walk_gpu("gpu_bf16_outputs_are_fully_written", units),
@@ -354,7 +315,9 @@ fn gpu_bf16_lean_outputs_match_kept() {
             if *variant == gpus[0].0
                 && gpu.runs_bf16(&spec.dims, &spec.options)
                 && !gpu.uses_chained(&spec.dims, &spec.options)
-                && gpu.state_walk_units(&spec.dims, &spec.options).is_none()
+                && gpu
+                    .state_walk_units(&spec.dims, &spec.options, true)
+                    .is_none()
             {
                 staged += 1;
             }

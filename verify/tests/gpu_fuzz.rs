@@ -98,6 +98,42 @@ fn gpu_sanitizer_shapes() {
         &run_cases(&gpus, &specs, Io::F32),
         specs.len(),
     );
+    // The walking stage 2, each form on the shapes above that it serves and on ten units a
+    // group.
+    let mut walk = specs;
+    walk.extend(walk_fixed_specs());
+    for units in [1usize, 2, 5] {
+        let gpus = walk_gpu("gpu_sanitizer_shapes", units);
+        let served: Vec<(ProblemSpec, u64)> = walk
+            .iter()
+            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, false) == Some(units))
+            .cloned()
+            .collect();
+        report(
+            &format!("sanitizer shapes, walking stage 2, {units} units a block"),
+            &run_cases(&gpus, &served, Io::F32),
+            served.len(),
+        );
+    }
+}
+
+/// The walking stage 2 in f32 (`ssd_state_walk_1`, `_2`, `_5`) forced on its shapes, each
+/// form on `SSD_GPU_WALK_CASES` (default 700) cases of every option, against the float64
+/// reference; then the sanitizer shapes and two more that it serves, on each form.
+#[test]
+fn gpu_walking_stage2_shapes() {
+    let Some(_) = gpu_or_skip("gpu_walking_stage2_shapes") else {
+        return;
+    };
+    let mut fixed = sanitizer_specs();
+    fixed.extend(walk_fixed_specs());
+    check_walk(
+        "gpu_walking_stage2_shapes",
+        Io::F32,
+        0xF5_0000,
+        17_000_000,
+        &fixed,
+    );
 }
 
 /// Every element of every output is written by the forward, on every variant (the coverage
@@ -108,6 +144,15 @@ fn gpu_outputs_are_fully_written() {
         return;
     };
     assert_fully_written(&gpus, &sanitizer_specs(), Io::F32);
+    let mut walk = sanitizer_specs();
+    walk.extend(walk_fixed_specs());
+    for units in [1usize, 2, 5] {
+        assert_fully_written(
+            &walk_gpu("gpu_outputs_are_fully_written", units),
+            &walk,
+            Io::F32,
+        );
+    }
 }
 
 #[test]
@@ -118,8 +163,17 @@ fn gpu_is_bitwise_reproducible() {
     let mut rng = SpecRng::new(77);
     let mut specs: Vec<ProblemSpec> = (0..6).map(|_| random_spec(&mut rng, 4_000_000)).collect();
     specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
+    // Ten units a group: every walking form serves it.
+    specs.push(ProblemSpec::full(Dims::new(2, 600, 10, 64, 1, 128), 256));
     let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(500..).collect();
     assert_reproducible(&gpus, &specs, Io::F32);
+    for units in [1usize, 2, 5] {
+        assert_reproducible(
+            &walk_gpu("gpu_is_bitwise_reproducible", units),
+            &specs,
+            Io::F32,
+        );
+    }
 }
 
 #[test]

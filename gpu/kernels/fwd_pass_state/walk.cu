@@ -1,10 +1,12 @@
-// Stage 2 with bf16 inputs, each state kept in registers while its block walks the chunks in
-// order (the host's choice where it applies, see docs/gpu.md, "The walking stage 2"):
-// ssd_state_walk_bf16_1, _2 and _5, blocks of HB = 1, 2 or 5 units. A unit is a head h and 64
+// Stage 2, each state kept in registers while its block walks the chunks in order (where the
+// host's configuration asks for it, see docs/gpu.md, "The walking stage 2"): ssd_state_walk_1,
+// _2 and _5 (f32 x and B, TF32 products) and ssd_state_walk_bf16_1, _2 and _5 (bf16), blocks of
+// HB = 1, 2 or 5 units. A unit is a head h and 64
 // of its headdim rows p (as in pair.cu); the HB units of a block are consecutive and in one
 // group, so they share the B tile; dstate <= 128 (a unit's whole [64, dstate] state lives in
 // its warpgroup's accumulators: warp w of the unit holds rows 32 ((w / 2) % 2) and columns
-// 64 (w % 2), in the standard fragment order, row 16 mi + g + 8 hf of its 32).
+// 64 (w % 2); in bf16 in the standard fragment order, row 16 mi + g + 8 hf of its 32, in f32
+// in 2a's order, row 4 g + 2 mi + hf, local.cu).
 // Block (b, ub) holds units ub HB .. ub HB + HB - 1 of batch b, warpgroup j unit ub HB + j.
 // With S_0 the initial state (or 0), for each chunk c in order, last its last real token:
 //   chunk_states[b, c, h] = S_c (when given), states_lo[b, c, h] = bf16(S_c) (to nearest even),
@@ -12,47 +14,70 @@
 //   w[l] = exp(cs[last] - cs[l]) dt'[l] (0 where seq(l) differs from seq(last)),
 //   scale_c = exp(cs[last]) if seq(last) equals the seq_idx of the token before the chunk (0
 //   before chunk 0), else 0;
-// final_states[b, h] = S_nchunks. The products are those of the bf16 pair kernel (bf16.cu):
+// final_states[b, h] = S_nchunks. The products are those of the pair kernels: in bf16 (bf16.cu)
 // the A fragments (x^T) through ldmatrix.trans from the x tile ([l][p]), scaled by w in f32 and
-// rounded to bf16 once per term, the B fragments through ldmatrix.trans, mma.m16n8k16 with f32
-// accumulation. The difference from 2a + 2b (and the chained kernel): the chunk's products
+// rounded to bf16 once per term, the B fragments through ldmatrix.trans, mma.m16n8k16; in f32
+// (pair.cu) 2a's k step (state_kstep: x through 16-byte loads, scaled by w, raw f32 operands
+// that the tensor cores truncate to TF32), mma.m16n8k8; f32 accumulation in both. In f32 there
+// is no bf16 copy and chunk_states is always written (the f32 output kernel reads it). The difference from 2a + 2b (and the chained kernel): the chunk's products
 // accumulate onto scale_c S_c instead of onto zero and then fma(scale_c, S_c, L_c), so the bits
 // differ from theirs (the f32 sum has one more term; the error model's count of f32 additions
 // is unchanged in order).
 // Nothing crosses memory between chunks: no chunk waits on another block, and a block streams
 // its x and B tiles through one ring of cp.async stages across chunk boundaries (64 tokens a
-// stage, three in flight), so the next chunk's copies fly while this one's products run. The
+// stage in bf16, 32 in f32, three in flight), so the next chunk's copies fly while this one's
+// products run. The
 // parallelism is the units alone (batch x nheads x headdim / 64): the host takes this kernel
 // where they fill the device.
-#define WALK_TK 64   // tokens per stage
-#define WALK_XS 72   // bf16 row stride of a unit's x tile (144-byte rows: ldmatrix without conflicts)
-#define WALK_BS 136  // bf16 row stride of the B tile (272-byte rows)
-template <int HB>
-struct StateWalkSmem {
-    struct Stage {
-        bf16_t x[HB][WALK_TK][WALK_XS];  // unit j's 64 columns
-        bf16_t b[WALK_TK][WALK_BS];
-        float cs[HB][WALK_TK], dt[HB][WALK_TK];
-        int seq[WALK_TK];
-    } stage[3];
-    float w[4 * HB][WALK_TK];  // each warp's w of the current stage
+// Row strides (elements): a unit's x tile 72 (bf16: 144-byte rows, ldmatrix without
+// conflicts; f32: 8 mod 32 words, state_kstep's 16-byte loads without conflicts), the B tile
+// 136 (272 or 544 bytes). Tokens per stage: 64 in bf16, 32 in f32 (the same bytes).
+#define WALK_XS 72
+#define WALK_BS 136
+template <typename X>
+struct WalkTokens {
+    static constexpr int TK = sizeof(X) == 2 ? 64 : 32;
 };
-static_assert(sizeof(StateWalkSmem<1>::Stage) % 16 == 0, "16-byte aligned stages");
-static_assert(sizeof(StateWalkSmem<2>::Stage) % 16 == 0, "16-byte aligned stages");
-static_assert(sizeof(StateWalkSmem<5>::Stage) % 16 == 0, "16-byte aligned stages");
-static_assert(2 * (sizeof(StateWalkSmem<1>) + 1024) <= 228 * 1024, "two blocks of one unit per Hopper SM");
-static_assert(2 * (sizeof(StateWalkSmem<2>) + 1024) <= 228 * 1024, "two blocks of two units per Hopper SM");
-static_assert(sizeof(StateWalkSmem<5>) + 1024 <= 228 * 1024, "one block of five units per Hopper SM");
+template <typename X, int HB>
+struct StateWalkSmem {
+    static constexpr int TK = WalkTokens<X>::TK;
+    struct Stage {
+        X x[HB][TK][WALK_XS];  // unit j's 64 columns
+        X b[TK][WALK_BS];
+        float cs[HB][TK], dt[HB][TK];
+        int seq[TK];
+    } stage[3];
+    float w[4 * HB][TK];          // each warp's w of the current stage
+    const void* base[HB][4];      // each unit's x, B, dA_cumsum and dt' rows (read by the copies
+                                  // instead of held in registers across the chunk loop)
+};
+#define WALK_CHECK(X, HB, PER_SM, WHAT)                                                               \
+    static_assert(sizeof(StateWalkSmem<X, HB>::Stage) % 16 == 0, "16-byte aligned stages");          \
+    static_assert((PER_SM) * (sizeof(StateWalkSmem<X, HB>) + 1024) <= 228 * 1024, WHAT)
+WALK_CHECK(bf16_t, 1, 2, "two blocks of one unit per Hopper SM");
+WALK_CHECK(bf16_t, 2, 2, "two blocks of two units per Hopper SM");
+WALK_CHECK(bf16_t, 5, 1, "one block of five units per Hopper SM");
+WALK_CHECK(float, 1, 2, "two blocks of one unit per Hopper SM");
+WALK_CHECK(float, 2, 2, "two blocks of two units per Hopper SM");
+WALK_CHECK(float, 5, 1, "one block of five units per Hopper SM");
 
-// The parameters: the chained kernels' struct (chained.cu, StateChainedBf16Params); `chain`
-// is not read.
+// The parameters: the chained kernels' struct (chained.cu, StateChainedParamsT<X>); `chain`
+// is not read, nor `states_lo` in f32.
 
-template <int HB>
-__device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Params& p) {
+// Row (within the warp's 32) of accumulator fragment row (mi, hf): bf16 the standard order, f32
+// 2a's (state_kstep).
+template <typename X>
+__device__ __forceinline__ int walk_row(int g, int mi, int hf) {
+    return sizeof(X) == 2 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf;
+}
+
+template <typename X, int HB>
+__device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p) {
     SSD_DYNAMIC_SMEM(smem_raw);
-    StateWalkSmem<HB>& sm = *reinterpret_cast<StateWalkSmem<HB>*>(smem_raw);
-    constexpr int TK = WALK_TK;
-    static_assert(TK == 64, "a warp's w: two tokens per lane");
+    typedef StateWalkSmem<X, HB> Smem;
+    Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+    constexpr bool BF16 = sizeof(X) == 2;
+    constexpr int TK = Smem::TK;
     const int tid = threadIdx.x, tl = tid & 127;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int j = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
@@ -67,35 +92,54 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
     const i64 n_state = (i64)p.headdim * p.dstate;
     const int Q = p.chunk_size, nc = p.nchunks;
     const unsigned tok_x = (unsigned)(p.nheads * p.headdim), tok_b = (unsigned)(p.ngroups * p.dstate);
-    const bf16_t* x_u = p.x + (i64)b * p.seqlen * tok_x + (i64)h * p.headdim + p0;
-    const bf16_t* b_g = p.Bm + (i64)b * p.seqlen * tok_b + (i64)grp * p.dstate;
     const float* cs_u = p.dA_cumsum + bh * nc * Q;
-    const float* dt_u = p.dt_out + bh * nc * Q;
+    if (tl == 0) {
+        sm.base[j][0] = p.x + (i64)b * p.seqlen * tok_x + (i64)h * p.headdim + p0;
+        sm.base[j][1] = p.Bm + (i64)b * p.seqlen * tok_b + (i64)grp * p.dstate;
+        sm.base[j][2] = cs_u;
+        sm.base[j][3] = p.dt_out + bh * nc * Q;
+    }
     const int* seq_row = p.seq_idx != nullptr ? p.seq_idx + (i64)b * p.seqlen : nullptr;
     const int nsq = (Q + TK - 1) / TK;  // stages of a whole chunk
     const int len_last = p.seqlen - (nc - 1) * Q;
     const int total = (nc - 1) * nsq + (len_last + TK - 1) / TK;
 
     auto issue = [&](int s) {
-        typename StateWalkSmem<HB>::Stage& st = sm.stage[s % 3];
+        typename Smem::Stage& st = sm.stage[s % 3];
+        const int tl = tid_fresh() & 127;  // the copy offsets recomputed here, not held across the loop
+        const X* x_u = static_cast<const X*>(sm.base[j][0]);
+        const X* b_g = static_cast<const X*>(sm.base[j][1]);
+        const float* cs_b = static_cast<const float*>(sm.base[j][2]);
+        const float* dt_u = static_cast<const float*>(sm.base[j][3]);
         const int c = s / nsq, k0 = (s % nsq) * TK;
         const int t = c * Q + k0;  // the stage's first token in the row
         const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k0);
         // x is read once: L2 priority evict_first (chained.cu says why); B keeps the normal
         // priority, the group's other blocks read the same tile.
-        async_rows_bf16<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
-        if (HB == 1) {
-            async_rows_bf16<TK, 128, 128>(&st.b[0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
-        } else if (j < 2) {
-            async_rows_bf16<TK / 2, 128, 128>(&st.b[j * (TK / 2)][0], WALK_BS, b_g + (i64)(t + j * (TK / 2)) * tok_b,
-                                              tok_b, rows_t - j * (TK / 2), cols_n, tl);
+        if constexpr (BF16) {
+            async_rows_bf16<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
+            if (HB == 1) {
+                async_rows_bf16<TK, 128, 128>(&st.b[0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
+            } else if (j < 2) {
+                async_rows_bf16<TK / 2, 128, 128>(&st.b[j * (TK / 2)][0], WALK_BS,
+                                                  b_g + (i64)(t + j * (TK / 2)) * tok_b, tok_b, rows_t - j * (TK / 2),
+                                                  cols_n, tl);
+            }
+        } else {
+            async_rows<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
+            if (HB == 1) {
+                async_rows<TK, 128, 128>(&st.b[0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
+            } else if (j < 2) {
+                async_rows<TK / 2, 128, 128>(&st.b[j * (TK / 2)][0], WALK_BS, b_g + (i64)(t + j * (TK / 2)) * tok_b,
+                                             tok_b, rows_t - j * (TK / 2), cols_n, tl);
+            }
         }
         const int l = tl & (TK - 1);
         const bool ok = l < rows_t;
         const i64 at = (i64)c * Q + k0 + l;
         if (tl < TK)
-            cp_async4(&st.cs[j][l], cs_u + at, ok, p.dA_cumsum);
-        else
+            cp_async4(&st.cs[j][l], cs_b + at, ok, p.dA_cumsum);
+        else if (tl < 2 * TK)
             cp_async4(&st.dt[j][l], dt_u + at, ok, p.dt_out);
         if (seq_row != nullptr && j == 0 && tl < TK) cp_async4(&st.seq[l], seq_row + t + l, ok, p.seq_idx);
     };
@@ -107,7 +151,7 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + 16 * mi + g + 8 * hf;
+            const int pr = wm * 32 + walk_row<X>(g, mi, hf);
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
                 const int ncol = wn * 64 + nf * 8 + 2 * q;
@@ -123,20 +167,21 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
     float cs_next = cs_u[chunk_last(0)];
     int seq_next = seq_row != nullptr ? seq_row[chunk_last(0)] : 0, seq_prev_next = 0;
 
-    // ldmatrix.trans rows of this lane for the A fragments: token kk + 8 ((lane >> 4) & 1) +
-    // (lane & 7), column (p) wm 32 + 16 mi + 8 ((lane >> 3) & 1) of the unit's tile.
+    // bf16: ldmatrix.trans rows of this lane for the A fragments: token kk + 8 ((lane >> 4) & 1)
+    // + (lane & 7), column (p) wm 32 + 16 mi + 8 ((lane >> 3) & 1) of the unit's tile.
     const int a_off = (((lane >> 4) & 1) * 8 + (lane & 7)) * WALK_XS + wm * 32 + ((lane >> 3) & 1) * 8;
     float* ws = sm.w[warp];
     float csl_last = 0.0f;
     int seq_last = 0;
 
+    __syncthreads();  // the base addresses
     issue(0);
     cp_async_commit();
     if (total > 1) issue(1);
     cp_async_commit();
-    for (int s = 0; s < total; ++s) {
-        const int c = s / nsq, k = s % nsq;
-        if (k == 0) {
+    int s = 0;  // the stage, counted across chunks
+    for (int c = 0; c < nc; ++c) {
+        {
             // Chunk c begins: S_c goes out, then the state decays over the chunk.
             const float cs_last = cs_next;
             seq_last = seq_next;
@@ -149,22 +194,27 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
                     seq_prev_next = seq_row[(c + 1) * Q - 1];
                 }
             }
+            // The thread's offsets recomputed from a fresh thread index: hoisted out of the chunk
+            // loop, the 32 addresses and their bounds checks would be held in registers across
+            // it and spill (ptxas: 416 bytes a thread at 128 registers).
+            const int tf = tid_fresh(), gf = (tf & 31) >> 2, qf = tf & 3;
+            const int wmf = (tf >> 6) & 1, wnf = (tf >> 5) & 1;
             const i64 at_c = (((i64)b * nc + c) * p.nheads + h) * n_state;
-            bf16_t* lo = p.states_lo + at_c;
+            bf16_t* lo = BF16 ? p.states_lo + at_c : nullptr;
             float* st32 = p.chunk_states != nullptr ? p.chunk_states + at_c : nullptr;
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int pr = wm * 32 + 16 * mi + g + 8 * hf;
+                    const int pr = wmf * 32 + walk_row<X>(gf, mi, hf);
                     if (pr >= rows_p) continue;
                     const i64 row = (i64)(p0 + pr) * p.dstate;
 #pragma unroll
                     for (int nf = 0; nf < 8; ++nf) {
-                        const int ncol = wn * 64 + nf * 8 + 2 * q;
+                        const int ncol = wnf * 64 + nf * 8 + 2 * qf;
                         if (ncol >= cols_n) continue;
                         const float v0 = acc[mi][nf][2 * hf], v1 = acc[mi][nf][2 * hf + 1];
-                        *reinterpret_cast<unsigned*>(lo + row + ncol) = pack_bf16x2(v0, v1);
+                        if (BF16) *reinterpret_cast<unsigned*>(lo + row + ncol) = pack_bf16x2(v0, v1);
                         if (st32 != nullptr) *reinterpret_cast<float2*>(st32 + row + ncol) = make_float2(v0, v1);
                     }
                 }
@@ -177,11 +227,13 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
                     for (int e = 0; e < 4; ++e) acc[mi][nf][e] *= scale;
             csl_last = cs_last * LOG2E_F;
         }
+        const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
+        for (int k = 0; k < nst_c; ++k, ++s) {
         cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
         __syncthreads();     // everyone's have, and everyone is done with stage s - 1
         if (s + 2 < total) issue(s + 2);
         cp_async_commit();
-        const typename StateWalkSmem<HB>::Stage& st = sm.stage[s % 3];
+        const typename Smem::Stage& st = sm.stage[s % 3];
         const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
 #pragma unroll
         for (int e = 0; e < TK; e += 32) {
@@ -190,31 +242,40 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
             ws[l] = (l < rows_t && same) ? ex2_approx(csl_last - st.cs[j][l] * LOG2E_F) * st.dt[j][l] : 0.0f;
         }
         __syncwarp();
-        const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0]);
+        if constexpr (BF16) {
+            const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0]);
 #pragma unroll
-        for (int kk = 0; kk < TK; kk += 16) {
-            const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
-            const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
-            unsigned a[2][4];
+            for (int kk = 0; kk < TK; kk += 16) {
+                const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
+                const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
+                unsigned a[2][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * WALK_XS + a_off + mi * 16) * 2u);
-                // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
-                a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
-                a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
-                a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
-                a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
+                for (int mi = 0; mi < 2; ++mi) {
+                    ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * WALK_XS + a_off + mi * 16) * 2u);
+                    // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
+                    a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
+                    a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
+                    a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
+                    a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
+                }
+                // B's fragments in two halves of 32 columns (fewer live registers).
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    unsigned bf[4][2];
+                    load_b_kmajor_bf16(bf, b_s, WALK_BS, kk, wn * 64 + half * 32, lane);
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                        for (int nf = 0; nf < 4; ++nf) mma_bf16(acc[mi][half * 4 + nf], a[mi], bf[nf]);
+                }
             }
-            // B's fragments in two halves of 32 columns (fewer live registers).
+        } else {
+            // 2a's k step: A[p][l] = x[l][p] w[l], 4 rows per 16-byte load; B[l][n] 4 bytes.
+            const float* xa = reinterpret_cast<const float*>(&st.x[j][0][0]) + wm * 32 + 4 * g;
+            const float* bb = reinterpret_cast<const float*>(&st.b[0][0]) + wn * 64 + g;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                unsigned bf[4][2];
-                load_b_kmajor_bf16(bf, b_s, WALK_BS, kk, wn * 64 + half * 32, lane);
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                    for (int nf = 0; nf < 4; ++nf) mma_bf16(acc[mi][half * 4 + nf], a[mi], bf[nf]);
-            }
+            for (int kk = 0; kk < TK; kk += 8) state_kstep<8>(acc, xa, WALK_XS, bb, WALK_BS, ws, kk, q);
+        }
         }
     }
     // S_nchunks.
@@ -223,7 +284,7 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + 16 * mi + g + 8 * hf;
+            const int pr = wm * 32 + walk_row<X>(g, mi, hf);
             if (pr >= rows_p) continue;
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
@@ -235,15 +296,15 @@ __device__ __forceinline__ void state_walk_bf16_body(const StateChainedBf16Param
         }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_bf16_1(const StateChainedBf16Params p) {
-    state_walk_bf16_body<1>(p);
-}
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_1, StateChainedBf16Params, sizeof(StateWalkSmem<1>));
-extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_bf16_2(const StateChainedBf16Params p) {
-    state_walk_bf16_body<2>(p);
-}
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, sizeof(StateWalkSmem<2>));
-extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_bf16_5(const StateChainedBf16Params p) {
-    state_walk_bf16_body<5>(p);
-}
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_5, StateChainedBf16Params, sizeof(StateWalkSmem<5>));
+extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_1(const StateChainedParams p) { state_walk_body<float, 1>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_1, StateChainedParams, sizeof(StateWalkSmem<float, 1>));
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_2(const StateChainedParams p) { state_walk_body<float, 2>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_2, StateChainedParams, sizeof(StateWalkSmem<float, 2>));
+extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_5(const StateChainedParams p) { state_walk_body<float, 5>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_5, StateChainedParams, sizeof(StateWalkSmem<float, 5>));
+extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_bf16_1(const StateChainedBf16Params p) { state_walk_body<bf16_t, 1>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_1, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 1>));
+extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_bf16_2(const StateChainedBf16Params p) { state_walk_body<bf16_t, 2>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 2>));
+extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_bf16_5(const StateChainedBf16Params p) { state_walk_body<bf16_t, 5>(p); }
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_5, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 5>));

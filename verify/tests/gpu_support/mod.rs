@@ -17,7 +17,7 @@ use ssd_gpu::{
 use ssd_reference::random::{
     random_pair_spec, random_problem, DSkip, ProblemSpec, SeqIdx, SpecRng,
 };
-use ssd_reference::{ChunkedOutput, Problem};
+use ssd_reference::{ChunkedOutput, Dims, Problem};
 use ssd_verify::fixture::{round_inputs, Dtype, FloatDtype};
 pub use ssd_verify::tolerance::{Candidate, Oracle, OutputName, Precision, Verdict};
 
@@ -99,6 +99,75 @@ pub fn walk_gpu(test: &str, units: usize) -> Vec<(Variant, Arc<Gpu>)> {
             panic!("{test}: the GPU could not be set up with the walking stage 2 ({units} units a block): {e}")
         }
     }
+}
+
+/// A shape the walking stage 2 with `units` units per block serves when forced
+/// (`StateWalk::Units`): a pair kernel shape (`random_pair_spec`, every option) with `headdim`
+/// and `dstate` multiples of `multiple` (8 for the bf16 kernels), dstate at most 128, and for
+/// five units a block ten units per group (5 heads of 65 to 128 rows or 10 of at most 64).
+pub fn walk_spec(rng: &mut SpecRng, units: usize, multiple: usize) -> ProblemSpec {
+    let mut spec = random_pair_spec(rng, 4_000_000);
+    let d = &mut spec.dims;
+    d.headdim = d.headdim.next_multiple_of(multiple);
+    d.dstate = d.dstate.next_multiple_of(multiple).min(128);
+    if units == 5 {
+        d.nheads = d.ngroups * 10 / d.headdim.div_ceil(64);
+        let per_token = d.batch * d.nheads * d.headdim * d.dstate;
+        d.seqlen = d.seqlen.min((4_000_000 / per_token).max(65));
+    }
+    spec
+}
+
+/// The walking stage 2 forced in each of its forms (1, 2 and 5 units a block), activations in
+/// `io`: `SSD_GPU_WALK_CASES` (default 700) [`walk_spec`] cases each against the float64
+/// reference (fails if a drawn shape misses the form), then `fixed` (the sanitizer shapes and
+/// more), each form on those it serves.
+pub fn check_walk(test: &str, io: Io, salt: u64, seed0: u64, fixed: &[(ProblemSpec, u64)]) {
+    let bf16 = io == Io::Bf16;
+    let tag = if bf16 { "bf16 " } else { "" };
+    for (k, units) in [1usize, 2, 5].into_iter().enumerate() {
+        let gpus = walk_gpu(test, units);
+        let specs = draw_specs(
+            env_usize("SSD_GPU_WALK_CASES", 700),
+            salt + k as u64 * 0x1000,
+            seed0 + k as u64 * 100_000,
+            |rng| walk_spec(rng, units, if bf16 { 8 } else { 4 }),
+        );
+        let label = format!("{tag}walking stage 2 shapes, {units} units a block");
+        println!("{label}: {}", coverage(&specs));
+        run_served_cases(&label, &gpus, &specs, io, "walking stage 2", |gpu, s| {
+            gpu.state_walk_units(&s.dims, &s.options, bf16) == Some(units)
+        });
+        let served: Vec<(ProblemSpec, u64)> = fixed
+            .iter()
+            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, bf16) == Some(units))
+            .cloned()
+            .collect();
+        report(
+            &format!("{tag}walking stage 2 fixed shapes, {units} units a block"),
+            &run_cases(&gpus, &served, io),
+            served.len(),
+        );
+        println!(
+            "{tag}walking stage 2 fixed shapes: {} of {} served by {units} units a block",
+            served.len(),
+            fixed.len()
+        );
+    }
+}
+
+/// Shapes every form of the walking stage 2 serves (ten units a group; f32 and bf16): every
+/// option, then two row tiles a head with a ragged last one, dstate 80, without seq_idx.
+pub fn walk_fixed_specs() -> Vec<(ProblemSpec, u64)> {
+    let mut tiles = ProblemSpec::full(Dims::new(2, 260, 10, 72, 2, 80), 128);
+    tiles.seq_idx = SeqIdx::None;
+    vec![
+        (
+            ProblemSpec::full(Dims::new(1, 300, 10, 64, 1, 72), 128),
+            330,
+        ),
+        (tiles, 331),
+    ]
 }
 
 /// A summary label for `variant`: `label` for the default, `label [variant]` for the others.
@@ -406,17 +475,12 @@ pub fn assert_chained_matches_staged(
         println!("{label}: skipped: the chained or the stage-by-stage variant is not open");
         return;
     };
-    // bf16 activations of these shapes take the walking stage 2 by default: the chained
-    // kernel's own device has it off.
-    let chained = if io == Io::Bf16 {
-        ssd_gpu::gpu_for(GpuConfig {
-            state_walk: StateWalk::Off,
-            ..chained.config()
-        })
-        .expect("the GPU, the walking stage 2 off")
-    } else {
-        chained
-    };
+    // The chained kernel's own device: the walking stage 2 off, whatever the default.
+    let chained = ssd_gpu::gpu_for(GpuConfig {
+        state_walk: StateWalk::Off,
+        ..chained.config()
+    })
+    .expect("the GPU, the walking stage 2 off");
     let mut served = 0;
     for (spec, seed) in specs {
         if !chained.uses_chained(&spec.dims, &spec.options) {
