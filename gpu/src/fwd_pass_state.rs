@@ -333,9 +333,8 @@ impl Gpu {
     /// `options` (packed problems with per-sequence initial states excepted), else `None`. It
     /// serves in [`crate::Variant::V3`] with `headdim` and `dstate` multiples of 4 (16-byte
     /// copies; for bf16 where the bf16 kernels serve, [`Gpu::runs_bf16`]), `dstate <= 128`, a
-    /// block's units (head, 64 headdim rows)
-    /// share one group (the units per group a multiple of the units per block), and its
-    /// shared memory fits this device. [`crate::StateWalk::Auto`] takes it where the units
+    /// block's units (head, 64 headdim rows) share one group (the units per group a multiple
+    /// of the units per block), the grid within `i32`, and its shared memory fits this device. [`crate::StateWalk::Auto`] takes it where the units
     /// (batch x nheads x ceil(headdim / 64)) are at least as many as the SMs, with the units
     /// per block that leave the fewest units on the busiest SM, the larger on a tie (they
     /// share each B tile): [`walk_units_for`].
@@ -352,6 +351,10 @@ impl Gpu {
             return None;
         }
         let per_group = dims.nheads / dims.ngroups * dims.headdim.div_ceil(TILE_P);
+        let units = dims.batch * dims.nheads * dims.headdim.div_ceil(TILE_P);
+        if units > i32::MAX as usize {
+            return None;
+        }
         let serves = |h: usize| {
             per_group.is_multiple_of(h)
                 && walk_kernel(h, bf16).is_some_and(|k| self.fits(k, dims.dstate))
@@ -359,10 +362,7 @@ impl Gpu {
         match self.config().state_walk {
             crate::StateWalk::Off => None,
             crate::StateWalk::Units(h) => serves(h).then_some(h),
-            crate::StateWalk::Auto => {
-                let units = dims.batch * dims.nheads * dims.headdim.div_ceil(TILE_P);
-                walk_units_for(units, self.sm_count, serves)
-            }
+            crate::StateWalk::Auto => walk_units_for(units, self.sm_count, serves),
         }
     }
 
@@ -415,7 +415,7 @@ impl Gpu {
         // stage's rows, its row offsets are 64-bit), dstate <= 128,
         // the units per group a multiple of `units` (so `blocks` is whole and each block's
         // units share a group), and its shared memory fits this device; the grid is `blocks`
-        // (at most batch x nheads x headdim, within u32 by `shape::check`); `states_lo` has
+        // (at most the units, within i32 by `state_walk_units`); `states_lo` has
         // the length of `chunk_states` (`check_states_lo`) where given; `chunk_states` is 0
         // (not written) only for bf16 outputs that do not keep it.
         unsafe { self.launch(kernel, (blocks as u32, 1, 1), d.dstate, &params) }?;

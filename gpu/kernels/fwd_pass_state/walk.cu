@@ -229,53 +229,53 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         }
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
-        cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
-        __syncthreads();     // everyone's have, and everyone is done with stage s - 1
-        if (s + 2 < total) issue(s + 2);
-        cp_async_commit();
-        const typename Smem::Stage& st = sm.stage[s % 3];
-        const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
-#pragma unroll
-        for (int e = 0; e < TK; e += 32) {
-            const int l = e + lane;
-            const bool same = seq_row == nullptr || st.seq[l] == seq_last;
-            ws[l] = (l < rows_t && same) ? ex2_approx(csl_last - st.cs[j][l] * LOG2E_F) * st.dt[j][l] : 0.0f;
-        }
-        __syncwarp();
-        if constexpr (BF16) {
-            const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0]);
-#pragma unroll
-            for (int kk = 0; kk < TK; kk += 16) {
-                const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
-                const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
-                unsigned a[2][4];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * WALK_XS + a_off + mi * 16) * 2u);
-                    // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
-                    a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
-                    a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
-                    a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
-                    a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
-                }
-                // B's fragments in two halves of 32 columns (fewer live registers).
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    unsigned bf[4][2];
-                    load_b_kmajor_bf16(bf, b_s, WALK_BS, kk, wn * 64 + half * 32, lane);
-#pragma unroll
-                    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                        for (int nf = 0; nf < 4; ++nf) mma_bf16(acc[mi][half * 4 + nf], a[mi], bf[nf]);
-                }
+            cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
+            __syncthreads();     // everyone's have, and everyone is done with stage s - 1
+            if (s + 2 < total) issue(s + 2);
+            cp_async_commit();
+            const typename Smem::Stage& st = sm.stage[s % 3];
+            const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
+    #pragma unroll
+            for (int e = 0; e < TK; e += 32) {
+                const int l = e + lane;
+                const bool same = seq_row == nullptr || st.seq[l] == seq_last;
+                ws[l] = (l < rows_t && same) ? ex2_approx(csl_last - st.cs[j][l] * LOG2E_F) * st.dt[j][l] : 0.0f;
             }
-        } else {
-            // 2a's k step: A[p][l] = x[l][p] w[l], 4 rows per 16-byte load; B[l][n] 4 bytes.
-            const float* xa = reinterpret_cast<const float*>(&st.x[j][0][0]) + wm * 32 + 4 * g;
-            const float* bb = reinterpret_cast<const float*>(&st.b[0][0]) + wn * 64 + g;
-#pragma unroll
-            for (int kk = 0; kk < TK; kk += 8) state_kstep<8>(acc, xa, WALK_XS, bb, WALK_BS, ws, kk, q);
-        }
+            __syncwarp();
+            if constexpr (BF16) {
+                const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0]);
+    #pragma unroll
+                for (int kk = 0; kk < TK; kk += 16) {
+                    const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
+                    const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
+                    unsigned a[2][4];
+    #pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * WALK_XS + a_off + mi * 16) * 2u);
+                        // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
+                        a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
+                        a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
+                        a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
+                        a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
+                    }
+                    // B's fragments in two halves of 32 columns (fewer live registers).
+    #pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        unsigned bf[4][2];
+                        load_b_kmajor_bf16(bf, b_s, WALK_BS, kk, wn * 64 + half * 32, lane);
+    #pragma unroll
+                        for (int mi = 0; mi < 2; ++mi)
+    #pragma unroll
+                            for (int nf = 0; nf < 4; ++nf) mma_bf16(acc[mi][half * 4 + nf], a[mi], bf[nf]);
+                    }
+                }
+            } else {
+                // 2a's k step: A[p][l] = x[l][p] w[l], 4 rows per 16-byte load; B[l][n] 4 bytes.
+                const float* xa = reinterpret_cast<const float*>(&st.x[j][0][0]) + wm * 32 + 4 * g;
+                const float* bb = reinterpret_cast<const float*>(&st.b[0][0]) + wn * 64 + g;
+    #pragma unroll
+                for (int kk = 0; kk < TK; kk += 8) state_kstep<8>(acc, xa, WALK_XS, bb, WALK_BS, ws, kk, q);
+            }
         }
     }
     // S_nchunks.
