@@ -32,18 +32,39 @@
 // Row strides (elements): a unit's x tile 72 (bf16: 144-byte rows, ldmatrix without
 // conflicts; f32: 8 mod 32 words, state_kstep's 16-byte loads without conflicts), the B tile
 // 136 (272 or 544 bytes). Tokens per stage: 64 in bf16, 32 in f32 (the same bytes).
+//
+// bf16 on Hopper (sm_90a; WALK_WG=0 among the NVRTC options keeps the form above there, for
+// A/B runs) runs the products on warpgroup products instead: per 16 tokens the warp's A
+// fragment (its 16 rows p of the unit, 16 w .. 16 w + 15 for warp w of the warpgroup) comes as
+// above (ldmatrix.trans, scaled by w, rounded to bf16 once per term), and the warpgroup issues
+// two wgmma m64n64k16 (dstate halves), A from registers, B N-major from shared memory, onto
+// its accumulators: warp w holds rows 16 w + g + 8 hf and columns 64 half + 8 nf + 2 q (the
+// wgmma accumulator layout). The B stage is then two 64 x 64 tiles [dstate half][token][64],
+// unpadded 128-byte rows with the 128-byte swizzle (async_rows_bf16_swz64; each tile
+// 1024-byte aligned, the block's base aligned up to 1024 at run time, the layout adds the
+// slack). A stage's products are committed after it and waited for before the barrier that
+// lets its slot be refilled, and before the accumulators are read. Same operands, same
+// roundings; f32 sums in another order.
 #define WALK_XS 72
 #define WALK_BS 136
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG)
+#define WALK_WG_ON 1
+#else
+#define WALK_WG_ON 0
+#endif
 template <typename X>
 struct WalkTokens {
     static constexpr int TK = sizeof(X) == 2 ? 64 : 32;
+    static constexpr bool WG = sizeof(X) == 2 && WALK_WG_ON;  // the warpgroup products
 };
 template <typename X, int HB>
 struct StateWalkSmem {
     static constexpr int TK = WalkTokens<X>::TK;
+    static constexpr bool WG = WalkTokens<X>::WG;
     struct Stage {
+        // B: [1][token][WALK_BS], or with WG [dstate half][token][64] swizzled
+        alignas(WG ? 1024 : 16) X b[WG ? 2 : 1][TK][WG ? 64 : WALK_BS];
         X x[HB][TK][WALK_XS];  // unit j's 64 columns
-        X b[TK][WALK_BS];
         float cs[HB][TK], dt[HB][TK];
         int seq[TK];
     } stage[3];
@@ -51,9 +72,14 @@ struct StateWalkSmem {
     const void* base[HB][4];      // each unit's x, B, dA_cumsum and dt' rows (read by the copies
                                   // instead of held in registers across the chunk loop)
 };
+// The dynamic shared memory a block takes: the layout, and with WG the alignment slack.
+template <typename X, int HB>
+struct WalkSmemBytes {
+    static constexpr unsigned value = sizeof(StateWalkSmem<X, HB>) + (WalkTokens<X>::WG ? 1024 : 0);
+};
 #define WALK_CHECK(X, HB, PER_SM, WHAT)                                                               \
     static_assert(sizeof(StateWalkSmem<X, HB>::Stage) % 16 == 0, "16-byte aligned stages");          \
-    static_assert((PER_SM) * (sizeof(StateWalkSmem<X, HB>) + 1024) <= 228 * 1024, WHAT)
+    static_assert((PER_SM) * (WalkSmemBytes<X, HB>::value + 1024) <= 228 * 1024, WHAT)
 WALK_CHECK(bf16_t, 1, 2, "two blocks of one unit per Hopper SM");
 WALK_CHECK(bf16_t, 2, 2, "two blocks of two units per Hopper SM");
 WALK_CHECK(bf16_t, 5, 1, "one block of five units per Hopper SM");
@@ -64,23 +90,89 @@ WALK_CHECK(float, 5, 1, "one block of five units per Hopper SM");
 // The parameters: the chained kernels' struct (chained.cu, StateChainedParamsT<X>); `chain`
 // is not read, nor `states_lo` in f32.
 
-// Row (within the warp's 32) of accumulator fragment row (mi, hf): bf16 the standard order, f32
-// 2a's (state_kstep).
+// Row p (within the unit's 64) of accumulator element acc[i][nf][2 hf + e] of warp w of the
+// warpgroup, lane (g, q): with WG rows 16 w + g + 8 hf; else warp w holds rows 32 ((w / 2) % 2)
+// and columns 64 (w % 2), bf16 in the standard fragment order, f32 in 2a's (state_kstep).
 template <typename X>
-__device__ __forceinline__ int walk_row(int g, int mi, int hf) {
-    return sizeof(X) == 2 ? 16 * mi + g + 8 * hf : 4 * g + 2 * mi + hf;
+__device__ __forceinline__ int walk_row(int w, int g, int i, int hf) {
+    if (WalkTokens<X>::WG) return 16 * w + g + 8 * hf;
+    return 32 * ((w >> 1) & 1) + (sizeof(X) == 2 ? 16 * i + g + 8 * hf : 4 * g + 2 * i + hf);
+}
+// Its column n (and n + 1): with WG 64 i + 8 nf + 2 q, else 64 (w % 2) + 8 nf + 2 q.
+template <typename X>
+__device__ __forceinline__ int walk_col(int w, int q, int i, int nf) {
+    return 64 * (WalkTokens<X>::WG ? i : w & 1) + 8 * nf + 2 * q;
+}
+
+// With WG: waits for the warpgroup's committed products (then its accumulators may be read and
+// the stage they read refilled); nothing without.
+template <bool WG>
+__device__ __forceinline__ void walk_products_done(float (&acc)[2][8][4]) {
+#if WALK_WG_ON
+    if (WG) {
+        wgmma_wait<0>();
+        wgmma_hold(acc[0]);
+        wgmma_hold(acc[1]);
+    }
+#endif
+}
+
+// With WG, after this thread's copies of a stage have landed: the products read shared memory
+// through the async proxy, the copies wrote it through the generic one.
+template <bool WG>
+__device__ __forceinline__ void walk_stage_landed() {
+#if WALK_WG_ON
+    if (WG) fence_proxy_async_smem();
+#endif
+}
+
+// With WG, one stage's products (64 tokens), issued and committed: a_s the shared address of
+// this lane's ldmatrix.trans row in the unit's x tile, b_s the stage's B tiles, ws the warp's w.
+__device__ __forceinline__ void walk_products_wg(float (&acc)[2][8][4], unsigned a_s, unsigned b_s, const float* ws,
+                                                 int q) {
+#if WALK_WG_ON
+    unsigned a[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int kk = 16 * ks;
+        const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
+        const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
+        ldmatrix_x4_trans(a[ks], a_s + (unsigned)(kk * WALK_XS) * 2u);
+        // a[ks][0], a[ks][1]: tokens kk + 2q, + 1; a[ks][2], a[ks][3]: 8 later.
+        a[ks][0] = pack_bf16x2(bf16_lo(a[ks][0]) * w0, bf16_hi(a[ks][0]) * w1);
+        a[ks][1] = pack_bf16x2(bf16_lo(a[ks][1]) * w0, bf16_hi(a[ks][1]) * w1);
+        a[ks][2] = pack_bf16x2(bf16_lo(a[ks][2]) * w8, bf16_hi(a[ks][2]) * w9);
+        a[ks][3] = pack_bf16x2(bf16_lo(a[ks][3]) * w8, bf16_hi(a[ks][3]) * w9);
+    }
+    wgmma_hold(acc[0]);
+    wgmma_hold(acc[1]);
+    wgmma_fence();
+    const unsigned long long db = wgmma_desc_nmajor_sw128(b_s);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            wgmma_bf16_rs_nmajor(acc[half], a[ks], db + ((8192u * half + 2048u * ks) >> 4));
+    wgmma_commit();
+#endif
 }
 
 template <typename X, int HB>
 __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p) {
     SSD_DYNAMIC_SMEM(smem_raw);
     typedef StateWalkSmem<X, HB> Smem;
-    Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
     constexpr bool BF16 = sizeof(X) == 2;
+    constexpr bool WG = Smem::WG;
+    char* smem_base = reinterpret_cast<char*>(smem_raw);
+    if (WG) {  // the swizzled tiles need 1024-byte alignment
+        const unsigned raw = smem_addr(smem_raw);
+        smem_base += ((raw + 1023u) & ~1023u) - raw;
+    }
+    Smem& sm = *reinterpret_cast<Smem*>(smem_base);
     constexpr int TK = Smem::TK;
     const int tid = threadIdx.x, tl = tid & 127;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int j = warp >> 2, wm = (warp >> 1) & 1, wn = warp & 1;
+    const int j = warp >> 2, w4 = warp & 3, wm = (warp >> 1) & 1, wn = warp & 1;
     const int ptiles = (p.headdim + 63) / 64;
     const int nub = p.nheads * ptiles / HB;  // blocks per batch row
     const int b = blockIdx.x / nub, ub = blockIdx.x % nub;
@@ -118,19 +210,26 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         // priority, the group's other blocks read the same tile.
         if constexpr (BF16) {
             async_rows_bf16<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
-            if (HB == 1) {
-                async_rows_bf16<TK, 128, 128>(&st.b[0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
+            if (WG) {
+                // The two dstate halves: both by the one unit, or one each by units 0 and 1.
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    if (HB == 1 || half == j)
+                        async_rows_bf16_swz64<TK, 128>(&st.b[half][0][0], b_g + (i64)t * tok_b + 64 * half, tok_b,
+                                                      rows_t, cols_n - 64 * half, tl);
+            } else if (HB == 1) {
+                async_rows_bf16<TK, 128, 128>(&st.b[0][0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
             } else if (j < 2) {
-                async_rows_bf16<TK / 2, 128, 128>(&st.b[j * (TK / 2)][0], WALK_BS,
+                async_rows_bf16<TK / 2, 128, 128>(&st.b[0][j * (TK / 2)][0], WALK_BS,
                                                   b_g + (i64)(t + j * (TK / 2)) * tok_b, tok_b, rows_t - j * (TK / 2),
                                                   cols_n, tl);
             }
         } else {
             async_rows<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
             if (HB == 1) {
-                async_rows<TK, 128, 128>(&st.b[0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
+                async_rows<TK, 128, 128>(&st.b[0][0][0], WALK_BS, b_g + (i64)t * tok_b, tok_b, rows_t, cols_n, tl);
             } else if (j < 2) {
-                async_rows<TK / 2, 128, 128>(&st.b[j * (TK / 2)][0], WALK_BS, b_g + (i64)(t + j * (TK / 2)) * tok_b,
+                async_rows<TK / 2, 128, 128>(&st.b[0][j * (TK / 2)][0], WALK_BS, b_g + (i64)(t + j * (TK / 2)) * tok_b,
                                              tok_b, rows_t - j * (TK / 2), cols_n, tl);
             }
         }
@@ -151,10 +250,10 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + walk_row<X>(g, mi, hf);
+            const int pr = walk_row<X>(w4, g, mi, hf);
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
-                const int ncol = wn * 64 + nf * 8 + 2 * q;
+                const int ncol = walk_col<X>(w4, q, mi, nf);
                 float2 v = make_float2(0.0f, 0.0f);
                 if (init != nullptr && pr < rows_p && ncol < cols_n)
                     v = *reinterpret_cast<const float2*>(init + (i64)(p0 + pr) * p.dstate + ncol);
@@ -168,8 +267,10 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     int seq_next = seq_row != nullptr ? seq_row[chunk_last(0)] : 0, seq_prev_next = 0;
 
     // bf16: ldmatrix.trans rows of this lane for the A fragments: token kk + 8 ((lane >> 4) & 1)
-    // + (lane & 7), column (p) wm 32 + 16 mi + 8 ((lane >> 3) & 1) of the unit's tile.
-    const int a_off = (((lane >> 4) & 1) * 8 + (lane & 7)) * WALK_XS + wm * 32 + ((lane >> 3) & 1) * 8;
+    // + (lane & 7), column (p) wm 32 + 16 mi + 8 ((lane >> 3) & 1) of the unit's tile (with WG
+    // 16 w4 + 8 ((lane >> 3) & 1)).
+    const int a_off =
+        (((lane >> 4) & 1) * 8 + (lane & 7)) * WALK_XS + (WG ? 16 * w4 : wm * 32) + ((lane >> 3) & 1) * 8;
     float* ws = sm.w[warp];
     float csl_last = 0.0f;
     int seq_last = 0;
@@ -183,6 +284,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     for (int c = 0; c < nc; ++c) {
         {
             // Chunk c begins: S_c goes out, then the state decays over the chunk.
+            walk_products_done<WG>(acc);
             const float cs_last = cs_next;
             seq_last = seq_next;
             const int seq_prev = seq_prev_next;
@@ -197,8 +299,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             // The thread's offsets recomputed from a fresh thread index: hoisted out of the chunk
             // loop, the 32 addresses and their bounds checks would be held in registers across
             // it and spill (ptxas: 416 bytes a thread at 128 registers).
-            const int tf = tid_fresh(), gf = (tf & 31) >> 2, qf = tf & 3;
-            const int wmf = (tf >> 6) & 1, wnf = (tf >> 5) & 1;
+            const int tf = tid_fresh(), gf = (tf & 31) >> 2, qf = tf & 3, wf = (tf >> 5) & 3;
             const i64 at_c = (((i64)b * nc + c) * p.nheads + h) * n_state;
             bf16_t* lo = BF16 ? p.states_lo + at_c : nullptr;
             float* st32 = p.chunk_states != nullptr ? p.chunk_states + at_c : nullptr;
@@ -206,12 +307,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int pr = wmf * 32 + walk_row<X>(gf, mi, hf);
+                    const int pr = walk_row<X>(wf, gf, mi, hf);
                     if (pr >= rows_p) continue;
                     const i64 row = (i64)(p0 + pr) * p.dstate;
 #pragma unroll
                     for (int nf = 0; nf < 8; ++nf) {
-                        const int ncol = wnf * 64 + nf * 8 + 2 * qf;
+                        const int ncol = walk_col<X>(wf, qf, mi, nf);
                         if (ncol >= cols_n) continue;
                         const float v0 = acc[mi][nf][2 * hf], v1 = acc[mi][nf][2 * hf + 1];
                         if (BF16) *reinterpret_cast<unsigned*>(lo + row + ncol) = pack_bf16x2(v0, v1);
@@ -230,6 +331,8 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
             cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
+            walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
+            walk_stage_landed<WG>();      // the copies made visible to the products' reads
             __syncthreads();     // everyone's have, and everyone is done with stage s - 1
             if (s + 2 < total) issue(s + 2);
             cp_async_commit();
@@ -242,8 +345,10 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 ws[l] = (l < rows_t && same) ? ex2_approx(csl_last - st.cs[j][l] * LOG2E_F) * st.dt[j][l] : 0.0f;
             }
             __syncwarp();
-            if constexpr (BF16) {
-                const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0]);
+            if constexpr (WG) {
+                walk_products_wg(acc, smem_addr(&st.x[j][0][0]) + (unsigned)a_off * 2u, smem_addr(&st.b[0][0][0]), ws, q);
+            } else if constexpr (BF16) {
+                const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0][0]);
     #pragma unroll
                 for (int kk = 0; kk < TK; kk += 16) {
                     const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
@@ -272,23 +377,24 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             } else {
                 // 2a's k step: A[p][l] = x[l][p] w[l], 4 rows per 16-byte load; B[l][n] 4 bytes.
                 const float* xa = reinterpret_cast<const float*>(&st.x[j][0][0]) + wm * 32 + 4 * g;
-                const float* bb = reinterpret_cast<const float*>(&st.b[0][0]) + wn * 64 + g;
+                const float* bb = reinterpret_cast<const float*>(&st.b[0][0][0]) + wn * 64 + g;
     #pragma unroll
                 for (int kk = 0; kk < TK; kk += 8) state_kstep<8>(acc, xa, WALK_XS, bb, WALK_BS, ws, kk, q);
             }
         }
     }
     // S_nchunks.
+    walk_products_done<WG>(acc);
     float* fin = p.final_states + bh * n_state;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int pr = wm * 32 + walk_row<X>(g, mi, hf);
+            const int pr = walk_row<X>(w4, g, mi, hf);
             if (pr >= rows_p) continue;
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
-                const int ncol = wn * 64 + nf * 8 + 2 * q;
+                const int ncol = walk_col<X>(w4, q, mi, nf);
                 if (ncol < cols_n)
                     *reinterpret_cast<float2*>(fin + (i64)(p0 + pr) * p.dstate + ncol) =
                         make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
@@ -297,14 +403,14 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
 }
 
 extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_1(const StateChainedParams p) { state_walk_body<float, 1>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_1, StateChainedParams, sizeof(StateWalkSmem<float, 1>));
+SSD_LAYOUT_FIXED(ssd_state_walk_1, StateChainedParams, (WalkSmemBytes<float, 1>::value));
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_2(const StateChainedParams p) { state_walk_body<float, 2>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_2, StateChainedParams, sizeof(StateWalkSmem<float, 2>));
+SSD_LAYOUT_FIXED(ssd_state_walk_2, StateChainedParams, (WalkSmemBytes<float, 2>::value));
 extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_5(const StateChainedParams p) { state_walk_body<float, 5>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_5, StateChainedParams, sizeof(StateWalkSmem<float, 5>));
+SSD_LAYOUT_FIXED(ssd_state_walk_5, StateChainedParams, (WalkSmemBytes<float, 5>::value));
 extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_bf16_1(const StateChainedBf16Params p) { state_walk_body<bf16_t, 1>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_1, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 1>));
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_1, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 1>::value));
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_bf16_2(const StateChainedBf16Params p) { state_walk_body<bf16_t, 2>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 2>));
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 2>::value));
 extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_bf16_5(const StateChainedBf16Params p) { state_walk_body<bf16_t, 5>(p); }
-SSD_LAYOUT_FIXED(ssd_state_walk_bf16_5, StateChainedBf16Params, sizeof(StateWalkSmem<bf16_t, 5>));
+SSD_LAYOUT_FIXED(ssd_state_walk_bf16_5, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 5>::value));
