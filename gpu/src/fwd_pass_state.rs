@@ -28,13 +28,20 @@ fn walk_kernel(units: usize, bf16: bool) -> Option<Kernel> {
 }
 
 /// [`crate::StateWalk::Auto`]'s choice of units per block for `units` units on `sms` SMs,
-/// among those that `serves` (1, 2 or 5): none when the units are fewer than the SMs; else the
-/// one whose busiest SM holds the fewest units (`h * ceil(units / h / sms)` with blocks spread
-/// evenly), the larger on a tie.
+/// among those that `serves` (1, 2 or 5), `resident(h)` blocks of `h` units fitting one SM at
+/// a time: none when the units are fewer than the SMs; else the one that leaves the fewest
+/// units to a block slot, `h * ceil(units / h / (resident(h) * sms))` (units a block times
+/// waves of blocks), the larger on a tie (a block's units share each B tile).
+///
+/// The model behind it, measured on an H100 (`docs/perf-history.md`, version 62): an SM
+/// streams about one unit-chunk every 3 us whatever the form, so a form's time is its waves
+/// times the units each block walks. At (8, 8192, 80) 640 one-unit blocks on 264 slots take
+/// 3 waves (cost 3) and won (-9% of stage 2); five units a block (one wave, cost 5) lost.
 pub(crate) fn walk_units_for(
     units: usize,
     sms: usize,
     serves: impl Fn(usize) -> bool,
+    resident: impl Fn(usize) -> usize,
 ) -> Option<usize> {
     if units < sms || sms == 0 {
         return None;
@@ -42,8 +49,11 @@ pub(crate) fn walk_units_for(
     WALK_UNITS
         .iter()
         .map(|&(h, _, _)| h)
-        .filter(|&h| serves(h))
-        .min_by_key(|&h| (h * (units / h).div_ceil(sms), std::cmp::Reverse(h)))
+        .filter(|&h| serves(h) && resident(h) > 0)
+        .min_by_key(|&h| {
+            let waves = (units / h).div_ceil(resident(h) * sms);
+            (h * waves, std::cmp::Reverse(h))
+        })
 }
 
 /// Largest `dstate` of the chained stage 2: one block holds a unit's whole state rows (128
@@ -334,10 +344,14 @@ impl Gpu {
     /// serves in [`crate::Variant::V3`] with `headdim` and `dstate` multiples of 4 (16-byte
     /// copies; for bf16 where the bf16 kernels serve, [`Gpu::runs_bf16`]), `dstate <= 128`, a
     /// block's units (head, 64 headdim rows) share one group (the units per group a multiple
-    /// of the units per block), the grid within `i32`, and its shared memory fits this device. [`crate::StateWalk::Auto`] takes it where the units
-    /// (batch x nheads x ceil(headdim / 64)) are at least as many as the SMs, with the units
-    /// per block that leave the fewest units on the busiest SM, the larger on a tie (they
-    /// share each B tile): [`walk_units_for`].
+    /// of the units per block), the grid within `i32`, and its shared memory fits this device.
+    /// [`crate::StateWalk::Auto`] (the default) takes it for bf16 activations on Hopper
+    /// (`sm_90a`, where its products run on `wgmma`) where the units (batch x nheads x
+    /// ceil(headdim / 64)) are at least as many as the SMs, with the units per block that
+    /// leave the fewest units to a block slot ([`walk_units_for`], with the driver's count of
+    /// resident blocks). It keeps f32 and other devices on the chained kernel: version 61's
+    /// `mma.sync` walker, timed on an H100, lost to it at two of the three shapes it serves
+    /// (`docs/perf-history.md`).
     ///
     /// Why the units must fill the device: a block walks its units' chunks one after the
     /// other, so with fewer units than SMs the chunks of a long row run on a few SMs (at
@@ -362,7 +376,12 @@ impl Gpu {
         match self.config().state_walk {
             crate::StateWalk::Off => None,
             crate::StateWalk::Units(h) => serves(h).then_some(h),
-            crate::StateWalk::Auto => walk_units_for(units, self.sm_count, serves),
+            crate::StateWalk::Auto if bf16 && self.target() == "sm_90a" => {
+                walk_units_for(units, self.sm_count, serves, |h| {
+                    walk_kernel(h, bf16).map_or(0, |k| self.resident_blocks(k, dims.dstate))
+                })
+            }
+            crate::StateWalk::Auto => None,
         }
     }
 
@@ -438,19 +457,28 @@ mod tests {
     use super::walk_units_for;
 
     #[test]
-    fn walk_units_leave_the_fewest_on_the_busiest_sm() {
+    fn walk_units_leave_the_fewest_to_a_block_slot() {
         let all = |_: usize| true;
-        // (8, 8192, 80, 64): 640 units on 132 SMs: 5 a block (128 blocks, 5 units on an SM)
-        // ties one a block (5 on the busiest SM) and wins as the larger; 2 would leave 6.
-        assert_eq!(walk_units_for(640, 132, all), Some(5));
-        // (4, 4096, 80, 64): 320 units: one a block leaves 3 on the busiest SM, two 4, five 5.
-        assert_eq!(walk_units_for(320, 132, all), Some(1));
-        // (8, 2048, 24, 64): 192 units: one or two a block both leave 2; two share B.
-        assert_eq!(walk_units_for(192, 132, all), Some(2));
-        // Only what serves: 24 heads a group is no multiple of 5.
-        assert_eq!(walk_units_for(640, 132, |h| h != 5), Some(1));
+        // The H100's and H200's residency of the bf16 kernels: 2, 2 and 1 blocks an SM.
+        let hopper = |h: usize| if h == 5 { 1 } else { 2 };
+        // (8, 8192, 80, 64): 640 units on 132 SMs: one a block takes 3 waves of 264 blocks
+        // (cost 3), two 2 waves (4), five 1 wave (5).
+        assert_eq!(walk_units_for(640, 132, all, hopper), Some(1));
+        // (4, 4096, 80, 64): 320 units: one a block 2 waves (2), two 1 wave (2, and B shared),
+        // five 5.
+        assert_eq!(walk_units_for(320, 132, all, hopper), Some(2));
+        // (8, 2048, 24, 64): 192 units: one a block fits one wave (1).
+        assert_eq!(walk_units_for(192, 132, all, hopper), Some(1));
+        // One block an SM for every form: the fewest units on the busiest SM.
+        assert_eq!(walk_units_for(640, 132, all, |_| 1), Some(5));
+        // Only what serves and fits: 24 heads a group is no multiple of 5.
+        assert_eq!(walk_units_for(640, 132, |h| h != 1, hopper), Some(2));
+        assert_eq!(
+            walk_units_for(640, 132, all, |h| usize::from(h == 5)),
+            Some(5)
+        );
         // Fewer units than SMs: the chunks of a row would run on a few SMs.
-        assert_eq!(walk_units_for(32, 132, all), None);
-        assert_eq!(walk_units_for(640, 132, |_| false), None);
+        assert_eq!(walk_units_for(32, 132, all, hopper), None);
+        assert_eq!(walk_units_for(640, 132, |_| false, hopper), None);
     }
 }

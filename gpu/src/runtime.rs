@@ -56,22 +56,23 @@ pub struct GpuConfig {
     /// instead, as in [`Variant::V2`]) while the rest of [`Variant::V3`] stays: for comparing
     /// the two output stages in one program (`SSD_GPU_WG=0` in [`GpuConfig::from_env`]).
     pub no_wg_out: bool,
-    /// Where stage 2 of bf16 activations walks the chunks with the states in registers
-    /// (`ssd_state_walk_bf16_*`, [`Gpu::state_walk_units`]).
+    /// Where stage 2 walks the chunks with the states in registers (`ssd_state_walk_*`,
+    /// [`Gpu::state_walk_units`]).
     pub state_walk: StateWalk,
 }
 
-/// Whether stage 2 of bf16 activations runs on the walking kernels (`ssd_state_walk_bf16_1`,
-/// `_2`, `_5`: each block holds 1, 2 or 5 units' states in registers and walks the chunks in
-/// order, see `docs/gpu.md`) in [`Variant::V3`].
+/// Whether stage 2 runs on the walking kernels (`ssd_state_walk_1`, `_2`, `_5` and
+/// `ssd_state_walk_bf16_*`: each block holds 1, 2 or 5 units' states in registers and walks
+/// the chunks in order, see `docs/gpu.md`) in [`Variant::V3`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum StateWalk {
-    /// Where the units (batch x heads x 64-row slices of headdim) fill the device, with the
-    /// units per block that leave the fewest on the busiest SM ([`Gpu::state_walk_units`]).
-    Auto,
-    /// Never: the chained kernel or 2a + 2b, as for f32. The default until the walking
-    /// kernels have been timed against the chained kernel on the GPU (`docs/gpu.md`).
+    /// bf16 activations on Hopper, where the units (batch x heads x 64-row slices of headdim)
+    /// fill the device, with the units per block that leave the fewest to a block slot
+    /// ([`Gpu::state_walk_units`]); elsewhere as [`StateWalk::Off`]. The default: the form
+    /// that measured faster than the chained kernel (`docs/gpu.md`).
     #[default]
+    Auto,
+    /// Never: the chained kernel or 2a + 2b.
     Off,
     /// Always where the kernel with this many units per block (1, 2 or 5) serves the shape,
     /// however few the units: for tests and A/B runs.
@@ -300,6 +301,22 @@ impl Gpu {
     /// Whether a block of `k` at `dstate` fits this device's shared memory.
     pub(crate) fn fits(&self, k: Kernel, dstate: usize) -> bool {
         self.smem_bytes(k, dstate) <= self.smem_limit(k)
+    }
+
+    /// How many blocks of `k` at `dstate` one SM holds at a time (the driver's occupancy at
+    /// its block size, registers and dynamic shared memory); 0 where it does not fit or the
+    /// driver cannot say.
+    pub(crate) fn resident_blocks(&self, k: Kernel, dstate: usize) -> usize {
+        if !self.fits(k, dstate) {
+            return 0;
+        }
+        self.function(k)
+            .occupancy_max_active_blocks_per_multiprocessor(
+                k.threads(),
+                self.smem_bytes(k, dstate),
+                None,
+            )
+            .map_or(0, |n| n as usize)
     }
 
     /// Enqueues `k` over `grid` with its block size and its dynamic shared memory at `dstate`,

@@ -168,7 +168,8 @@ pub fn bf16_sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
         ProblemSpec::full(dims(1, 700, 4, 40, 2, 8), 512),
         ProblemSpec::plain(dims(1, 256, 2, 64, 1, 128)),
         ProblemSpec::full(dims(1, 200, 2, 36, 1, 16), 128),
-        // 132 chains: the chained stage 2 on the H200, 3 chunks, every option.
+        // 132 chains: the chained stage 2 on the H200 (the walking stage 2 by default on
+        // Hopper, 264 units), 3 chunks, every option.
         ProblemSpec::full(dims(1, 300, 264, 64, 2, 128), 128),
     ];
     specs[1].seq_idx = SeqIdx::AtChunkStarts { every: 1 };
@@ -227,6 +228,19 @@ fn gpu_bf16_sanitizer_shapes() {
             served.len(),
         );
     }
+    // The chained stage 2 on the shapes it serves, with the walking stage 2 off (the default
+    // walks bf16 on Hopper where the units fill the device: the 132-chain shape there).
+    let chained = chained_gpu("gpu_bf16_sanitizer_shapes");
+    let served: Vec<(ProblemSpec, u64)> = specs
+        .iter()
+        .filter(|(s, _)| chained[0].1.uses_chained(&s.dims, &s.options))
+        .cloned()
+        .collect();
+    report(
+        "bf16 sanitizer shapes, chained stage 2",
+        &run_cases(&chained, &served, Io::Bf16),
+        served.len(),
+    );
     let capped = capped_gpu("gpu_bf16_sanitizer_shapes", 2);
     if wg
         .iter()

@@ -86,6 +86,19 @@ pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
     }
 }
 
+/// The default variant with the walking stage 2 off (`StateWalk::Off`): the chained kernel or
+/// 2a + 2b wherever the default would walk.
+pub fn chained_gpu(test: &str) -> Vec<(Variant, Arc<Gpu>)> {
+    let config = GpuConfig {
+        state_walk: StateWalk::Off,
+        ..variant_config(Variant::V3)
+    };
+    match ssd_gpu::gpu_for(config) {
+        Ok(g) => vec![(Variant::V3, g)],
+        Err(e) => panic!("{test}: the GPU could not be set up without the walking stage 2: {e}"),
+    }
+}
+
 /// The default variant with the walking stage 2 forced to `units` units per block
 /// (`StateWalk::Units`) wherever that kernel serves the shape, however few its units.
 pub fn walk_gpu(test: &str, units: usize) -> Vec<(Variant, Arc<Gpu>)> {
