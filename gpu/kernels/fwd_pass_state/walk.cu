@@ -45,10 +45,13 @@
 // slack). A stage's products are committed after it and waited for before the barrier that
 // lets its slot be refilled, and before the accumulators are read. Same operands, same
 // roundings; f32 sums in another order.
-// WALK_WG=2 (timed, not kept: slower at 1 and 2 units a block, docs/perf-history.md version
-// 63) takes A from shared memory too (SS): the x tile unpadded and swizzled like B, each
-// thread scales 4 pieces of one token row in place, then a named barrier of the warpgroup and
-// two wgmma per 16 tokens with both operands from shared memory (A M-major).
+// WALK_WG=2 (not the default: version 63 was slower at 1 and 2 units a block,
+// docs/perf-history.md) takes A from shared memory too (SS): the x tile unpadded and swizzled
+// like B, each thread scales 4 pieces of one token row in place, then a named barrier of the
+// warpgroup and two wgmma per 16 tokens with both operands from shared memory (A M-major).
+// Since version 64 a stage's products stay in flight through the next stage's scaling: after
+// issuing stage s's products a warpgroup waits only for stage s - 1's, then a block barrier,
+// then the copies of stage s + 2 into the slot stage s - 1 read.
 #define WALK_XS 72
 #define WALK_BS 136
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG != 0)
@@ -127,6 +130,15 @@ __device__ __forceinline__ void walk_products_done(float (&acc)[2][8][4]) {
         wgmma_hold(acc[0]);
         wgmma_hold(acc[1]);
     }
+#endif
+}
+
+// With WG: waits for the warpgroup's committed products but the last group (their
+// accumulators are not read here).
+template <bool WG>
+__device__ __forceinline__ void walk_products_but_last() {
+#if WALK_WG_ON
+    if (WG) wgmma_wait<1>();
 #endif
 }
 
@@ -380,11 +392,13 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
             cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
-            walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
+            if constexpr (!Smem::SS) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
             walk_stage_landed<WG>();      // the copies made visible to the products' reads
-            __syncthreads();     // everyone's have, and everyone is done with stage s - 1
-            if (s + 2 < total) issue(s + 2);
-            cp_async_commit();
+            __syncthreads();     // everyone's have, and everyone is done with stage s - 1 (SS: below)
+            if constexpr (!Smem::SS) {
+                if (s + 2 < total) issue(s + 2);
+                cp_async_commit();
+            }
             const typename Smem::Stage& st = sm.stage[s % 3];
             const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
             if constexpr (Smem::SS) {
@@ -394,6 +408,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 const bool same = seq_row == nullptr || st.seq[r] == seq_last;
                 const float w = (r < rows_t && same) ? ex2_approx(csl_last - st.cs[j][r] * LOG2E_F) * st.dt[j][r] : 0.0f;
                 walk_products_ss(acc, &sm.stage[s % 3].x[j][0][0], r, tl & 1, w, smem_addr(&st.b[0][0][0]), j);
+                // Stage s's products fly while the block makes sure of stage s - 1's (they
+                // read the slot the next copies fill), then the copies of stage s + 2.
+                walk_products_but_last<WG>();
+                __syncthreads();
+                if (s + 2 < total) issue(s + 2);
+                cp_async_commit();
                 continue;
             }
     #pragma unroll
