@@ -51,7 +51,8 @@
 // warpgroup and two wgmma per 16 tokens with both operands from shared memory (A M-major).
 // Since version 64 a stage's products stay in flight through the next stage's scaling: after
 // issuing stage s's products a warpgroup waits only for stage s - 1's, then a block barrier,
-// then the copies of stage s + 2 into the slot stage s - 1 read.
+// then the copies of stage s + 2 into the slot stage s - 1 read (PIPE). WALK_PIPE=1 does the
+// same in the register form (its A fragments then live across two stages).
 #define WALK_XS 72
 #define WALK_BS 136
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG != 0)
@@ -65,17 +66,22 @@
 #define WALK_WG_ON 0
 #define WALK_WG_SS 0
 #endif
+#ifndef WALK_PIPE
+#define WALK_PIPE 0  // 1: the register form's products in flight across stages too (as SS's)
+#endif
 template <typename X>
 struct WalkTokens {
     static constexpr int TK = sizeof(X) == 2 ? 64 : 32;
     static constexpr bool WG = sizeof(X) == 2 && WALK_WG_ON;  // the warpgroup products
     static constexpr bool SS = WG && WALK_WG_SS;              // ... with A from shared memory
+    static constexpr bool PIPE = WG && (SS || WALK_PIPE);     // products in flight across stages
 };
 template <typename X, int HB>
 struct StateWalkSmem {
     static constexpr int TK = WalkTokens<X>::TK;
     static constexpr bool WG = WalkTokens<X>::WG;
     static constexpr bool SS = WalkTokens<X>::SS;
+    static constexpr bool PIPE = WalkTokens<X>::PIPE;
     struct Stage {
         // B: [1][token][WALK_BS], or with WG [dstate half][token][64] swizzled
         alignas(WG ? 1024 : 16) X b[WG ? 2 : 1][TK][WG ? 64 : WALK_BS];
@@ -392,10 +398,10 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
             cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
-            if constexpr (!Smem::SS) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
+            if constexpr (!Smem::PIPE) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
             walk_stage_landed<WG>();      // the copies made visible to the products' reads
-            __syncthreads();     // everyone's have, and everyone is done with stage s - 1 (SS: below)
-            if constexpr (!Smem::SS) {
+            __syncthreads();     // everyone's have, and everyone is done with stage s - 1 (PIPE: below)
+            if constexpr (!Smem::PIPE) {
                 if (s + 2 < total) issue(s + 2);
                 cp_async_commit();
             }
@@ -425,6 +431,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             __syncwarp();
             if constexpr (WG) {
                 walk_products_wg(acc, smem_addr(&st.x[j][0][0]) + (unsigned)a_off * 2u, smem_addr(&st.b[0][0][0]), ws, q);
+                if constexpr (Smem::PIPE) {  // as for SS below
+                    walk_products_but_last<WG>();
+                    __syncthreads();
+                    if (s + 2 < total) issue(s + 2);
+                    cp_async_commit();
+                }
             } else if constexpr (BF16) {
                 const unsigned x_s = smem_addr(&st.x[j][0][0]), b_s = smem_addr(&st.b[0][0][0]);
     #pragma unroll
