@@ -350,8 +350,9 @@ impl Gpu {
     /// ceil(headdim / 64)) are at least as many as the SMs, with the units per block that
     /// leave the fewest units to a block slot ([`walk_units_for`], with the driver's count of
     /// resident blocks). It keeps f32 and other devices on the chained kernel: version 61's
-    /// `mma.sync` walker, timed on an H100, lost to it at two of the three shapes it serves
-    /// (`docs/perf-history.md`).
+    /// `mma.sync` walker, timed on an H100, lost to it at (4, 4096, 80) in every form and at
+    /// (8, 8192, 80) in the form this rule picks (it gained with 5 units a block there, and
+    /// with 1 at (8, 2048, 24); `docs/perf-history.md`).
     ///
     /// Why the units must fill the device: a block walks its units' chunks one after the
     /// other, so with fewer units than SMs the chunks of a long row run on a few SMs (at
