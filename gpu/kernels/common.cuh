@@ -313,6 +313,15 @@ __device__ __forceinline__ void mma_slab_2xn(float (&acc)[2][NF][4], unsigned a_
 typedef unsigned short bf16_t;
 __device__ __forceinline__ float bf16_lo(unsigned v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+// Scales an m16n8k16 A fragment of x^T (ldmatrix.trans of an x tile [token][p], lane (g, q))
+// by the weights of its tokens, each term rounded to bf16 once: a[0] and a[1] hold tokens 2q and
+// 2q + 1 of the k16 slice (w0, w1), a[2] and a[3] the tokens 8 later (w8, w9).
+__device__ __forceinline__ void scale_a_tokens_bf16(unsigned (&a)[4], float w0, float w1, float w8, float w9) {
+    a[0] = pack_bf16x2(bf16_lo(a[0]) * w0, bf16_hi(a[0]) * w1);
+    a[1] = pack_bf16x2(bf16_lo(a[1]) * w0, bf16_hi(a[1]) * w1);
+    a[2] = pack_bf16x2(bf16_lo(a[2]) * w8, bf16_hi(a[2]) * w9);
+    a[3] = pack_bf16x2(bf16_lo(a[3]) * w8, bf16_hi(a[3]) * w9);
+}
 
 // async_rows for a ROWS x COLS block of bf16 (COLS a multiple of 8): the same 16-byte copies, 8
 // elements each. src_stride and dst_stride (elements) must be even, cols_valid a multiple of 8

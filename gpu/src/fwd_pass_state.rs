@@ -379,7 +379,7 @@ impl Gpu {
             crate::StateWalk::Units(h) => serves(h).then_some(h),
             crate::StateWalk::Auto if bf16 && self.target() == "sm_90a" => {
                 walk_units_for(units, self.sm_count, serves, |h| {
-                    walk_kernel(h, bf16).map_or(0, |k| self.resident_blocks(k, dims.dstate))
+                    walk_kernel(h, bf16).map_or(0, |k| self.resident_blocks(k))
                 })
             }
             crate::StateWalk::Auto => None,

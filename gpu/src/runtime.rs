@@ -146,6 +146,10 @@ pub struct Gpu {
     /// Dynamic shared memory a block of each kernel of [`Kernel::ALL`] may opt in to on this
     /// device, in bytes: the device's opt-in limit less the kernel's static shared memory.
     smem_limits: Vec<usize>,
+    /// Blocks of each kernel of [`Kernel::ALL`] that one SM holds at a time at its shared
+    /// memory for dstate 128 (the driver's occupancy; 0 where that does not fit or the driver
+    /// cannot say): [`Gpu::resident_blocks`].
+    resident: Vec<usize>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -216,6 +220,7 @@ impl Gpu {
         let mut functions = Vec::with_capacity(Kernel::ALL.len());
         let mut layouts = Vec::with_capacity(Kernel::ALL.len());
         let mut smem_limits = Vec::with_capacity(Kernel::ALL.len());
+        let mut resident = Vec::with_capacity(Kernel::ALL.len());
         for k in Kernel::ALL {
             let f = module.load_function(k.name())?;
             let symbol = module.get_global(&k.layout_symbol(), &stream)?;
@@ -242,6 +247,14 @@ impl Gpu {
                     i32::try_from(limit).unwrap_or(i32::MAX),
                 )?;
             }
+            let smem128 = layout.smem_bytes(128);
+            // 0 where the driver cannot say: the walking stage 2's choice then passes that form.
+            resident.push(if smem128 <= limit {
+                f.occupancy_max_active_blocks_per_multiprocessor(k.threads(), smem128, None)
+                    .map_or(0, |n| n as usize)
+            } else {
+                0
+            });
             functions.push(f);
             layouts.push(layout);
             smem_limits.push(limit);
@@ -268,6 +281,7 @@ impl Gpu {
             target,
             name,
             smem_limits,
+            resident,
         })
     }
 
@@ -303,20 +317,12 @@ impl Gpu {
         self.smem_bytes(k, dstate) <= self.smem_limit(k)
     }
 
-    /// How many blocks of `k` at `dstate` one SM holds at a time (the driver's occupancy at
-    /// its block size, registers and dynamic shared memory); 0 where it does not fit or the
-    /// driver cannot say.
-    pub(crate) fn resident_blocks(&self, k: Kernel, dstate: usize) -> usize {
-        if !self.fits(k, dstate) {
-            return 0;
-        }
-        self.function(k)
-            .occupancy_max_active_blocks_per_multiprocessor(
-                k.threads(),
-                self.smem_bytes(k, dstate),
-                None,
-            )
-            .map_or(0, |n| n as usize)
+    /// How many blocks of `k` one SM holds at a time at its shared memory for dstate 128 (the
+    /// driver's occupancy at its block size, registers and dynamic shared memory, asked once
+    /// when the kernels are loaded); 0 where that does not fit or the driver cannot say. Exact
+    /// for kernels whose shared memory does not grow with dstate, such as the walking stage 2's.
+    pub(crate) fn resident_blocks(&self, k: Kernel) -> usize {
+        self.resident[k as usize]
     }
 
     /// Enqueues `k` over `grid` with its block size and its dynamic shared memory at `dstate`,

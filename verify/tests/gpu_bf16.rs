@@ -216,30 +216,22 @@ fn gpu_bf16_sanitizer_shapes() {
     let mut walk = bf16_sanitizer_specs();
     walk.extend(walk_fixed_specs());
     for units in [1usize, 2, 5] {
-        let gpus = walk_gpu("gpu_bf16_sanitizer_shapes", units);
-        let served: Vec<(ProblemSpec, u64)> = walk
-            .iter()
-            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, true) == Some(units))
-            .cloned()
-            .collect();
-        report(
+        report_served(
             &format!("bf16 sanitizer shapes, walking stage 2, {units} units a block"),
-            &run_cases(&gpus, &served, Io::Bf16),
-            served.len(),
+            &walk_gpu("gpu_bf16_sanitizer_shapes", units),
+            &walk,
+            Io::Bf16,
+            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, true) == Some(units),
         );
     }
     // The chained stage 2 on the shapes it serves, with the walking stage 2 off (the default
     // walks bf16 on Hopper where the units fill the device: the 132-chain shape there).
-    let chained = chained_gpu("gpu_bf16_sanitizer_shapes");
-    let served: Vec<(ProblemSpec, u64)> = specs
-        .iter()
-        .filter(|(s, _)| chained[0].1.uses_chained(&s.dims, &s.options))
-        .cloned()
-        .collect();
-    report(
+    report_served(
         "bf16 sanitizer shapes, chained stage 2",
-        &run_cases(&chained, &served, Io::Bf16),
-        served.len(),
+        &chained_gpu("gpu_bf16_sanitizer_shapes"),
+        &specs,
+        Io::Bf16,
+        |gpu, s| gpu.uses_chained(&s.dims, &s.options),
     );
     let capped = capped_gpu("gpu_bf16_sanitizer_shapes", 2);
     if wg

@@ -103,16 +103,12 @@ fn gpu_sanitizer_shapes() {
     let mut walk = specs;
     walk.extend(walk_fixed_specs());
     for units in [1usize, 2, 5] {
-        let gpus = walk_gpu("gpu_sanitizer_shapes", units);
-        let served: Vec<(ProblemSpec, u64)> = walk
-            .iter()
-            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, false) == Some(units))
-            .cloned()
-            .collect();
-        report(
+        report_served(
             &format!("sanitizer shapes, walking stage 2, {units} units a block"),
-            &run_cases(&gpus, &served, Io::F32),
-            served.len(),
+            &walk_gpu("gpu_sanitizer_shapes", units),
+            &walk,
+            Io::F32,
+            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, false) == Some(units),
         );
     }
 }

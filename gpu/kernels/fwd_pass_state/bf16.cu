@@ -136,11 +136,7 @@ __device__ __forceinline__ void chunk_state_local_pair_bf16_body(const ChunkStat
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
                 ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * SPH_S + a_off + mi * 16) * 2u);
-                // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
-                a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
-                a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
-                a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
-                a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
+                scale_a_tokens_bf16(a[mi], w0, w1, w8, w9);
             }
             load_b_kmajor_bf16(bf, b_s, SPH_S, kk, wn * 64, lane);
 #pragma unroll

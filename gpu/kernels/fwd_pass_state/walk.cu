@@ -169,11 +169,7 @@ __device__ __forceinline__ void walk_products_wg(float (&acc)[2][8][4], unsigned
         const float w0 = ws[kk + 2 * q], w1 = ws[kk + 2 * q + 1];
         const float w8 = ws[kk + 2 * q + 8], w9 = ws[kk + 2 * q + 9];
         ldmatrix_x4_trans(a[ks], a_s + (unsigned)(kk * WALK_XS) * 2u);
-        // a[ks][0], a[ks][1]: tokens kk + 2q, + 1; a[ks][2], a[ks][3]: 8 later.
-        a[ks][0] = pack_bf16x2(bf16_lo(a[ks][0]) * w0, bf16_hi(a[ks][0]) * w1);
-        a[ks][1] = pack_bf16x2(bf16_lo(a[ks][1]) * w0, bf16_hi(a[ks][1]) * w1);
-        a[ks][2] = pack_bf16x2(bf16_lo(a[ks][2]) * w8, bf16_hi(a[ks][2]) * w9);
-        a[ks][3] = pack_bf16x2(bf16_lo(a[ks][3]) * w8, bf16_hi(a[ks][3]) * w9);
+        scale_a_tokens_bf16(a[ks], w0, w1, w8, w9);
     }
     wgmma_hold(acc[0]);
     wgmma_hold(acc[1]);
@@ -447,11 +443,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         ldmatrix_x4_trans(a[mi], x_s + (unsigned)(kk * WALK_XS + a_off + mi * 16) * 2u);
-                        // a[mi][0], a[mi][1]: tokens kk + 2q, + 1; a[mi][2], a[mi][3]: 8 later.
-                        a[mi][0] = pack_bf16x2(bf16_lo(a[mi][0]) * w0, bf16_hi(a[mi][0]) * w1);
-                        a[mi][1] = pack_bf16x2(bf16_lo(a[mi][1]) * w0, bf16_hi(a[mi][1]) * w1);
-                        a[mi][2] = pack_bf16x2(bf16_lo(a[mi][2]) * w8, bf16_hi(a[mi][2]) * w9);
-                        a[mi][3] = pack_bf16x2(bf16_lo(a[mi][3]) * w8, bf16_hi(a[mi][3]) * w9);
+                        scale_a_tokens_bf16(a[mi], w0, w1, w8, w9);
                     }
                     // B's fragments in two halves of 32 columns (fewer live registers).
     #pragma unroll

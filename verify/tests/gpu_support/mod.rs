@@ -151,19 +151,15 @@ pub fn check_walk(test: &str, io: Io, salt: u64, seed0: u64, fixed: &[(ProblemSp
         run_served_cases(&label, &gpus, &specs, io, "walking stage 2", |gpu, s| {
             gpu.state_walk_units(&s.dims, &s.options, bf16) == Some(units)
         });
-        let served: Vec<(ProblemSpec, u64)> = fixed
-            .iter()
-            .filter(|(s, _)| gpus[0].1.state_walk_units(&s.dims, &s.options, bf16) == Some(units))
-            .cloned()
-            .collect();
-        report(
+        let served = report_served(
             &format!("{tag}walking stage 2 fixed shapes, {units} units a block"),
-            &run_cases(&gpus, &served, io),
-            served.len(),
+            &gpus,
+            fixed,
+            io,
+            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, bf16) == Some(units),
         );
         println!(
-            "{tag}walking stage 2 fixed shapes: {} of {} served by {units} units a block",
-            served.len(),
+            "{tag}walking stage 2 fixed shapes: {served} of {} served by {units} units a block",
             fixed.len()
         );
     }
@@ -412,6 +408,24 @@ pub fn coverage(specs: &[(ProblemSpec, u64)]) -> String {
 /// when none (this device runs no such kernel) says so and returns; else asserts that every
 /// case took them (a generator that drifted would leave the test checking other kernels) and
 /// runs them all under every variant.
+/// Reports `label` over those of `specs` that `served` says the first device of `gpus` runs
+/// on the kernels under test (the others are left to other checks), and returns their count.
+pub fn report_served(
+    label: &str,
+    gpus: &[(Variant, Arc<Gpu>)],
+    specs: &[(ProblemSpec, u64)],
+    io: Io,
+    served: impl Fn(&Gpu, &ProblemSpec) -> bool,
+) -> usize {
+    let subset: Vec<(ProblemSpec, u64)> = specs
+        .iter()
+        .filter(|(s, _)| served(&gpus[0].1, s))
+        .cloned()
+        .collect();
+    report(label, &run_cases(gpus, &subset, io), subset.len());
+    subset.len()
+}
+
 pub fn run_served_cases(
     label: &str,
     gpus: &[(Variant, Arc<Gpu>)],
