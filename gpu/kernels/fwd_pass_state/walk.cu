@@ -53,6 +53,11 @@
 // issuing stage s's products a warpgroup waits only for stage s - 1's, then a block barrier,
 // then the copies of stage s + 2 into the slot stage s - 1 read (PIPE). WALK_PIPE=1 does the
 // same in the register form (its A fragments then live across two stages).
+// WALK_NST=2 (default 3) makes the ring two slots, one stage in flight while one is used (not
+// with PIPE), so that a one-unit bf16 block takes about 57 KB instead of 83; WALK_MINB1 (default
+// 2) is the blocks of ssd_state_walk_bf16_1 an SM must hold (its __launch_bounds__: 3 caps it at
+// 168 registers, 4 at 128), for more one-unit blocks per SM (fewer waves) where shared memory
+// allows them.
 #define WALK_XS 72
 #define WALK_BS 136
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG != 0)
@@ -69,6 +74,14 @@
 #ifndef WALK_PIPE
 #define WALK_PIPE 0  // 1: the register form's products in flight across stages too (as SS's)
 #endif
+#ifndef WALK_NST
+#define WALK_NST 3  // ring slots: 3 (two stages in flight while one is used) or 2 (one)
+#endif
+#ifndef WALK_MINB1
+#define WALK_MINB1 2  // blocks of ssd_state_walk_bf16_1 one SM must hold (its register cap)
+#endif
+static_assert(WALK_NST == 2 || WALK_NST == 3, "two or three ring slots");
+static_assert(WALK_MINB1 >= 2 && WALK_MINB1 <= 4, "two to four one-unit blocks per SM");
 template <typename X>
 struct WalkTokens {
     static constexpr int TK = sizeof(X) == 2 ? 64 : 32;
@@ -89,7 +102,7 @@ struct StateWalkSmem {
         X x[HB][TK][SS ? 64 : WALK_XS];
         float cs[HB][TK], dt[HB][TK];
         int seq[TK];
-    } stage[3];
+    } stage[WALK_NST];
     float w[4 * HB][TK];          // each warp's w of the current stage
     const void* base[HB][4];      // each unit's x, B, dA_cumsum and dt' rows (read by the copies
                                   // instead of held in registers across the chunk loop)
@@ -102,7 +115,7 @@ struct WalkSmemBytes {
 #define WALK_CHECK(X, HB, PER_SM, WHAT)                                                               \
     static_assert(sizeof(StateWalkSmem<X, HB>::Stage) % 16 == 0, "16-byte aligned stages");          \
     static_assert((PER_SM) * (WalkSmemBytes<X, HB>::value + 1024) <= 228 * 1024, WHAT)
-WALK_CHECK(bf16_t, 1, 2, "two blocks of one unit per Hopper SM");
+WALK_CHECK(bf16_t, 1, WALK_MINB1, "WALK_MINB1 blocks of one unit per Hopper SM");
 WALK_CHECK(bf16_t, 2, 2, "two blocks of two units per Hopper SM");
 WALK_CHECK(bf16_t, 5, 1, "one block of five units per Hopper SM");
 WALK_CHECK(float, 1, 2, "two blocks of one unit per Hopper SM");
@@ -256,7 +269,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     const int total = (nc - 1) * nsq + (len_last + TK - 1) / TK;
 
     auto issue = [&](int s) {
-        typename Smem::Stage& st = sm.stage[s % 3];
+        typename Smem::Stage& st = sm.stage[s % WALK_NST];
         const int tl = tid_fresh() & 127;  // the copy offsets recomputed here, not held across the loop
         const X* x_u = static_cast<const X*>(sm.base[j][0]);
         const X* b_g = static_cast<const X*>(sm.base[j][1]);
@@ -339,9 +352,15 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     int seq_last = 0;
 
     __syncthreads();  // the base addresses
-    issue(0);
-    cp_async_commit();
-    if (total > 1) issue(1);
+    constexpr int AHEAD = WALK_NST - 1;  // stages in flight while one is used
+    static_assert(AHEAD == 2 || !Smem::PIPE, "products in flight across stages need three slots");
+    if (AHEAD == 2) {
+        issue(0);
+        cp_async_commit();
+        if (total > 1) issue(1);
+    } else if (total > 0) {  // always; ptxas allocates registers better at 168 with the test
+        issue(0);
+    }
     cp_async_commit();
     int s = 0;  // the stage, counted across chunks
     for (int c = 0; c < nc; ++c) {
@@ -393,15 +412,15 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         }
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
-            cp_async_wait<1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
+            cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
             if constexpr (!Smem::PIPE) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
             walk_stage_landed<WG>();      // the copies made visible to the products' reads
             __syncthreads();     // everyone's have, and everyone is done with stage s - 1 (PIPE: below)
             if constexpr (!Smem::PIPE) {
-                if (s + 2 < total) issue(s + 2);
+                if (s + AHEAD < total) issue(s + AHEAD);
                 cp_async_commit();
             }
-            const typename Smem::Stage& st = sm.stage[s % 3];
+            const typename Smem::Stage& st = sm.stage[s % WALK_NST];
             const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
             if constexpr (Smem::SS) {
                 // x scaled in place, token tl / 2 by this thread (4 of its 8 pieces), then the
@@ -409,12 +428,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 const int r = tl >> 1;
                 const bool same = seq_row == nullptr || st.seq[r] == seq_last;
                 const float w = (r < rows_t && same) ? ex2_approx(csl_last - st.cs[j][r] * LOG2E_F) * st.dt[j][r] : 0.0f;
-                walk_products_ss(acc, &sm.stage[s % 3].x[j][0][0], r, tl & 1, w, smem_addr(&st.b[0][0][0]), j);
+                walk_products_ss(acc, &sm.stage[s % WALK_NST].x[j][0][0], r, tl & 1, w, smem_addr(&st.b[0][0][0]), j);
                 // Stage s's products fly while the block makes sure of stage s - 1's (they
                 // read the slot the next copies fill), then the copies of stage s + 2.
                 walk_products_but_last<WG>();
                 __syncthreads();
-                if (s + 2 < total) issue(s + 2);
+                if (s + AHEAD < total) issue(s + AHEAD);
                 cp_async_commit();
                 continue;
             }
@@ -430,7 +449,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 if constexpr (Smem::PIPE) {  // as for SS below
                     walk_products_but_last<WG>();
                     __syncthreads();
-                    if (s + 2 < total) issue(s + 2);
+                    if (s + AHEAD < total) issue(s + AHEAD);
                     cp_async_commit();
                 }
             } else if constexpr (BF16) {
@@ -490,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_2(const Stat
 SSD_LAYOUT_FIXED(ssd_state_walk_2, StateChainedParams, (WalkSmemBytes<float, 2>::value));
 extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_5(const StateChainedParams p) { state_walk_body<float, 5>(p); }
 SSD_LAYOUT_FIXED(ssd_state_walk_5, StateChainedParams, (WalkSmemBytes<float, 5>::value));
-extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_bf16_1(const StateChainedBf16Params p) { state_walk_body<bf16_t, 1>(p); }
+extern "C" __global__ void __launch_bounds__(128, WALK_MINB1) ssd_state_walk_bf16_1(const StateChainedBf16Params p) { state_walk_body<bf16_t, 1>(p); }
 SSD_LAYOUT_FIXED(ssd_state_walk_bf16_1, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 1>::value));
 extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_bf16_2(const StateChainedBf16Params p) { state_walk_body<bf16_t, 2>(p); }
 SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 2>::value));
