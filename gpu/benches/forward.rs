@@ -165,11 +165,14 @@ fn bench<T: Upload>(
     } else {
         out_kernel
     };
-    // Stage 2 as one chained kernel (Variant::V3, where it serves).
-    let state_kernel = if gpu.uses_chained(&dims, &options) {
-        "chained"
+    // Stage 2 as the walking kernel with `h` units a block, or as one chained kernel
+    // (Variant::V3, where they serve, in that order: `Gpu::forward_into`'s choice).
+    let state_kernel = if let Some(h) = gpu.state_walk_units(&dims, &options, T::BF16) {
+        format!("walk{h}")
+    } else if gpu.uses_chained(&dims, &options) {
+        "chained".to_string()
     } else {
-        state_kernel
+        state_kernel.to_string()
     };
     let gbs = bytes / (t * 1e-3) / 1e9;
     println!(

@@ -54,7 +54,7 @@
 // then the copies of stage s + 2 into the slot stage s - 1 read (PIPE). WALK_PIPE=1 does the
 // same in the register form (its A fragments then live across two stages).
 // WALK_NST=2 (default 3) makes the ring two slots, one stage in flight while one is used (not
-// with PIPE), so that a one-unit bf16 block takes about 57 KB instead of 83; WALK_MINB1 (default
+// with PIPE), so that a one-unit bf16 block takes about 56 KB instead of 83; WALK_MINB1 (default
 // 2) is the blocks of ssd_state_walk_bf16_1 an SM must hold (its __launch_bounds__: 3 caps it at
 // 168 registers, 4 at 128), for more one-unit blocks per SM (fewer waves) where shared memory
 // allows them.
