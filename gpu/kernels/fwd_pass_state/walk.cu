@@ -412,7 +412,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         }
         const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
         for (int k = 0; k < nst_c; ++k, ++s) {
-            cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed (s + 1 may still fly)
+            cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed (three slots: s + 1's may fly)
             if constexpr (!Smem::PIPE) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
             walk_stage_landed<WG>();      // the copies made visible to the products' reads
             __syncthreads();     // everyone's have, and everyone is done with stage s - 1 (PIPE: below)
