@@ -378,8 +378,8 @@ __device__ __forceinline__ void mma_slab_2xn_bf16(float (&acc)[2][NF][4], unsign
 // the 16-byte piece k of row r lands at piece k ^ (r & 7), so that the eight rows of an
 // ldmatrix hit distinct banks without padding (read by mma_slab_2xn_bf16_swz; in a 1024-byte
 // aligned tile, also the 128-byte swizzle of TMA and wgmma). Zeros where r >= rows_valid or a
-// piece's columns reach cols_valid (a multiple of 8). FIRST as for async_rows.
-template <int ROWS, int NT, bool FIRST = false>
+// piece's columns reach cols_valid (a multiple of 8).
+template <int ROWS, int NT>
 __device__ __forceinline__ void async_rows_bf16_swz64(bf16_t* dst, const bf16_t* __restrict__ src,
                                                       unsigned src_stride, int rows_valid, int cols_valid, int tid) {
     constexpr int STEP = NT / 8;  // rows per pass: a multiple of 8, so r & 7 is the same in every pass
@@ -388,25 +388,16 @@ __device__ __forceinline__ void async_rows_bf16_swz64(bf16_t* dst, const bf16_t*
     const unsigned d = smem_addr(dst) + (unsigned)(r0 * 128 + ((k0 ^ (r0 & 7)) << 4));
     const float* s = reinterpret_cast<const float*>(src) + ((unsigned)r0 * src_stride + (unsigned)k0 * 8u) / 2u;
     const unsigned step = (unsigned)STEP * src_stride / 2u;  // floats
-    const unsigned long long pol = FIRST ? l2_evict_first() : 0;
     if (rows_valid >= ROWS && cols_valid >= 64) {
 #pragma unroll
-        for (int k = 0; k < ROWS / STEP; ++k) {
-            if (FIRST)
-                cp_async16_all_hint(d + (unsigned)(k * STEP * 128), s + (unsigned)k * step, pol);
-            else
-                cp_async16_all(d + (unsigned)(k * STEP * 128), s + (unsigned)k * step);
-        }
+        for (int k = 0; k < ROWS / STEP; ++k) cp_async16_all(d + (unsigned)(k * STEP * 128), s + (unsigned)k * step);
     } else {
         float* dp = reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + (r0 * 128 + ((k0 ^ (r0 & 7)) << 4)));
         const float* fb = reinterpret_cast<const float*>(src);
 #pragma unroll
         for (int k = 0; k < ROWS / STEP; ++k) {
             const bool ok = r0 + k * STEP < rows_valid && k0 * 8 < cols_valid;
-            if (FIRST)
-                cp_async16_hint(dp + k * STEP * 32, ok ? s + (unsigned)k * step : fb, ok, fb, pol);
-            else
-                cp_async16(dp + k * STEP * 32, ok ? s + (unsigned)k * step : fb, ok, fb);
+            cp_async16(dp + k * STEP * 32, ok ? s + (unsigned)k * step : fb, ok, fb);
         }
     }
 }

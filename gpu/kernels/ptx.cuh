@@ -293,15 +293,6 @@ __device__ __forceinline__ void wgmma_bf16_ss(float (&d)[8][4], unsigned long lo
                  : SSD_WGMMA_D8x4(d)
                  : "l"(da), "l"(db), "r"(accumulate));
 }
-// d += A B over k = 16, A M-major and B N-major in shared memory (each a tile of k rows, 64 m
-// or n a row: wgmma_desc_nmajor_sw128).
-__device__ __forceinline__ void wgmma_bf16_ss_mn(float (&d)[8][4], unsigned long long da, unsigned long long db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SSD_WGMMA_D_LIST
-                 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
-                 : SSD_WGMMA_D8x4(d)
-                 : "l"(da), "l"(db), "r"(1));
-}
 // d += A B over k = 16: A (bf16 pairs, the m16n8k16 A layout) from registers, B N-major in
 // shared memory.
 __device__ __forceinline__ void wgmma_bf16_rs_nmajor(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {

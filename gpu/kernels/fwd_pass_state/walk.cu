@@ -45,14 +45,11 @@
 // slack). A stage's products are committed after it and waited for before the barrier that
 // lets its slot be refilled, and before the accumulators are read. Same operands, same
 // roundings; f32 sums in another order.
-// WALK_WG=2 (not the default: version 63 was slower at 1 and 2 units a block,
-// docs/perf-history.md) takes A from shared memory too (SS): the x tile unpadded and swizzled
-// like B, each thread scales 4 pieces of one token row in place, then a named barrier of the
-// warpgroup and two wgmma per 16 tokens with both operands from shared memory (A M-major).
-// Since version 64 a stage's products stay in flight through the next stage's scaling: after
+// WALK_PIPE=1 keeps a stage's products in flight through the next stage's scaling: after
 // issuing stage s's products a warpgroup waits only for stage s - 1's, then a block barrier,
-// then the copies of stage s + 2 into the slot stage s - 1 read (PIPE). WALK_PIPE=1 does the
-// same in the register form (its A fragments then live across two stages).
+// then the copies of stage s + 2 into the slot stage s - 1 read (its A fragments then live
+// across two stages). Versions 63 and 64, A from shared memory too, were timed and removed
+// (docs/perf-history.md).
 // WALK_NST=2 (default 3) makes the ring two slots, one stage in flight while one is used (not
 // with PIPE), so that a one-unit bf16 block takes about 56 KB instead of 83; WALK_MINB1 (default
 // 2) is the blocks of ssd_state_walk_bf16_1 an SM must hold (its __launch_bounds__: 3 caps it at
@@ -62,17 +59,11 @@
 #define WALK_BS 136
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG != 0)
 #define WALK_WG_ON 1
-#if defined(WALK_WG) && WALK_WG == 2
-#define WALK_WG_SS 1
-#else
-#define WALK_WG_SS 0
-#endif
 #else
 #define WALK_WG_ON 0
-#define WALK_WG_SS 0
 #endif
 #ifndef WALK_PIPE
-#define WALK_PIPE 0  // 1: the register form's products in flight across stages too (as SS's)
+#define WALK_PIPE 0  // 1: the warpgroup products in flight across stages
 #endif
 #ifndef WALK_NST
 #define WALK_NST 3  // ring slots: 3 (two stages in flight while one is used) or 2 (one)
@@ -86,20 +77,17 @@ template <typename X>
 struct WalkTokens {
     static constexpr int TK = sizeof(X) == 2 ? 64 : 32;
     static constexpr bool WG = sizeof(X) == 2 && WALK_WG_ON;  // the warpgroup products
-    static constexpr bool SS = WG && WALK_WG_SS;              // ... with A from shared memory
-    static constexpr bool PIPE = WG && (SS || WALK_PIPE);     // products in flight across stages
+    static constexpr bool PIPE = WG && WALK_PIPE;             // products in flight across stages
 };
 template <typename X, int HB>
 struct StateWalkSmem {
     static constexpr int TK = WalkTokens<X>::TK;
     static constexpr bool WG = WalkTokens<X>::WG;
-    static constexpr bool SS = WalkTokens<X>::SS;
     static constexpr bool PIPE = WalkTokens<X>::PIPE;
     struct Stage {
         // B: [1][token][WALK_BS], or with WG [dstate half][token][64] swizzled
         alignas(WG ? 1024 : 16) X b[WG ? 2 : 1][TK][WG ? 64 : WALK_BS];
-        // unit j's 64 columns: rows of WALK_XS, or with SS unpadded swizzled 8 KB tiles
-        X x[HB][TK][SS ? 64 : WALK_XS];
+        X x[HB][TK][WALK_XS];  // unit j's 64 columns
         float cs[HB][TK], dt[HB][TK];
         int seq[TK];
     } stage[WALK_NST];
@@ -197,38 +185,6 @@ __device__ __forceinline__ void walk_products_wg(float (&acc)[2][8][4], unsigned
 #endif
 }
 
-// With SS, one stage's products (64 tokens), issued and committed: this thread scales its
-// half (piece half 4 .. + 3) of token row r of the unit's x tile x (the 128-byte swizzle keeps a
-// row's pieces in its 128 bytes) by w, rounding each term to bf16 once; then, the warpgroup's
-// rows all scaled (named barrier 1 + j), two wgmma per 16 tokens, A = x^T M-major, B N-major.
-__device__ __forceinline__ void walk_products_ss(float (&acc)[2][8][4], bf16_t* x, int r, int half, float w,
-                                                 unsigned b_s, int j) {
-#if WALK_WG_ON
-    uint4* px = reinterpret_cast<uint4*>(reinterpret_cast<char*>(x) + r * 128 + half * 64);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        uint4 v = px[i];
-        v.x = pack_bf16x2(bf16_lo(v.x) * w, bf16_hi(v.x) * w);
-        v.y = pack_bf16x2(bf16_lo(v.y) * w, bf16_hi(v.y) * w);
-        v.z = pack_bf16x2(bf16_lo(v.z) * w, bf16_hi(v.z) * w);
-        v.w = pack_bf16x2(bf16_lo(v.w) * w, bf16_hi(v.w) * w);
-        px[i] = v;
-    }
-    fence_proxy_async_smem();  // the scaled tile, for the products' reads
-    named_bar_sync(1 + j, 128);
-    wgmma_hold(acc[0]);
-    wgmma_hold(acc[1]);
-    wgmma_fence();
-    const unsigned long long da = wgmma_desc_nmajor_sw128(smem_addr(x)), db = wgmma_desc_nmajor_sw128(b_s);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            wgmma_bf16_ss_mn(acc[hh], da + ((2048u * ks) >> 4), db + ((8192u * hh + 2048u * ks) >> 4));
-    wgmma_commit();
-#endif
-}
-
 template <typename X, int HB>
 __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p) {
     SSD_DYNAMIC_SMEM(smem_raw);
@@ -281,11 +237,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         // x is read once: L2 priority evict_first (chained.cu says why); B keeps the normal
         // priority, the group's other blocks read the same tile.
         if constexpr (BF16) {
-            if (Smem::SS)
-                async_rows_bf16_swz64<TK, 128, true>(&st.x[j][0][0], x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
-            else
-                async_rows_bf16<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p,
-                                                   tl);
+            async_rows_bf16<TK, 64, 128, true>(&st.x[j][0][0], WALK_XS, x_u + (i64)t * tok_x, tok_x, rows_t, rows_p, tl);
             if (WG) {
                 // The two dstate halves: both by the one unit, or one each by units 0 and 1.
 #pragma unroll
@@ -422,21 +374,6 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             }
             const typename Smem::Stage& st = sm.stage[s % WALK_NST];
             const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
-            if constexpr (Smem::SS) {
-                // x scaled in place, token tl / 2 by this thread (4 of its 8 pieces), then the
-                // warpgroup's products from shared memory.
-                const int r = tl >> 1;
-                const bool same = seq_row == nullptr || st.seq[r] == seq_last;
-                const float w = (r < rows_t && same) ? ex2_approx(csl_last - st.cs[j][r] * LOG2E_F) * st.dt[j][r] : 0.0f;
-                walk_products_ss(acc, &sm.stage[s % WALK_NST].x[j][0][0], r, tl & 1, w, smem_addr(&st.b[0][0][0]), j);
-                // Stage s's products fly while the block makes sure of stage s - 1's (they
-                // read the slot the next copies fill), then the copies of stage s + 2.
-                walk_products_but_last<WG>();
-                __syncthreads();
-                if (s + AHEAD < total) issue(s + AHEAD);
-                cp_async_commit();
-                continue;
-            }
     #pragma unroll
             for (int e = 0; e < TK; e += 32) {
                 const int l = e + lane;
@@ -446,7 +383,9 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             __syncwarp();
             if constexpr (WG) {
                 walk_products_wg(acc, smem_addr(&st.x[j][0][0]) + (unsigned)a_off * 2u, smem_addr(&st.b[0][0][0]), ws, q);
-                if constexpr (Smem::PIPE) {  // as for SS below
+                if constexpr (Smem::PIPE) {
+                    // Stage s's products fly while the block makes sure of stage s - 1's (they
+                    // read the slot the next copies fill), then the copies of stage s + 2.
                     walk_products_but_last<WG>();
                     __syncthreads();
                     if (s + AHEAD < total) issue(s + AHEAD);

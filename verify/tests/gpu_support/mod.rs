@@ -403,11 +403,6 @@ pub fn coverage(specs: &[(ProblemSpec, u64)]) -> String {
     )
 }
 
-/// Runs `specs`, which were drawn for the kernels that `served` says serve them on the default
-/// variant (`served` returns their name, or `None`): prints how many of the cases they took;
-/// when none (this device runs no such kernel) says so and returns; else asserts that every
-/// case took them (a generator that drifted would leave the test checking other kernels) and
-/// runs them all under every variant.
 /// Reports `label` over those of `specs` that `served` says the first device of `gpus` runs
 /// on the kernels under test (the others are left to other checks), and returns their count.
 pub fn report_served(
@@ -426,6 +421,11 @@ pub fn report_served(
     subset.len()
 }
 
+/// Runs `specs`, which were drawn for the kernels that `served` says serve them on the default
+/// variant (`served` returns their name, or `None`): prints how many of the cases they took;
+/// when none (this device runs no such kernel) says so and returns; else asserts that every
+/// case took them (a generator that drifted would leave the test checking other kernels) and
+/// runs them all under every variant.
 pub fn run_served_cases(
     label: &str,
     gpus: &[(Variant, Arc<Gpu>)],
