@@ -1,12 +1,20 @@
 // Host-side stand-ins for what the SSD kernels use of CUDA, for the CPU emulation (gpu/emu/),
-// in place of kernels/ptx.cuh (every helper of that file is emulated here under its name, but
-// the Hopper-only ones: the kernel that uses them, compute_out/wg_bf16.cu, is empty here):
+// in place of kernels/ptx.cuh (every helper of that file is emulated here under its name; the
+// Hopper-only ones, TMA, mbarriers and wgmma, where SSD_EMU_SM90 is defined, which also takes
+// the kernels' sm_90a paths: see the end of this file):
 // a block runs as blockDim host threads with std::barrier for __syncthreads/__syncwarp;
 // mma.sync m16n8k8 TF32 and m16n8k16 BF16 are emulated warp-wide through a per-warp scratch (f32 sums in k order,
 // so only comparisons between kernel versions are meaningful, not bits against the GPU);
 // cp.async copies are queued per thread and done at cp.async.wait_group, so a read before the
 // wait sees stale data; dynamic shared memory starts as NaN.
 #pragma once
+#ifdef SSD_EMU_SM90
+#define __CUDA_ARCH_FEAT_SM90_ALL 1
+#endif
+#include <map>
+#include <memory>
+#include <mutex>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -45,8 +53,17 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 struct WarpScratch { float A[16][8]; float B[8][8]; unsigned addr[32]; float A16[16][16]; float B16[16][8]; };
 // Up to 20 warps a block (the walking stage 2 with five units: 640 threads).
-struct BlockCtx { std::barrier<>* bar; std::barrier<>* wbar[20]; WarpScratch ws[20]; float* dyn; };
-extern thread_local dim3e threadIdx, blockIdx, blockDim;
+// An mbarrier's state (SSD_EMU_SM90): arrivals expected per phase, still pending in this one,
+// transaction bytes still pending, phases completed.
+struct MbarState { unsigned count, pending; long long tx; unsigned phase; };
+// Per block: the barriers, each warp's and warpgroup's scratch, the mbarriers (by shared address)
+// and the named barriers (created at first use with their thread count), under `mu`.
+struct BlockCtx {
+    std::barrier<>* bar; std::barrier<>* wbar[20]; WarpScratch ws[20]; float* dyn;
+    std::barrier<>* gbar[5]; float WA[5][64][16];
+    std::mutex mu; std::map<unsigned, MbarState> mbar; std::unique_ptr<std::barrier<>> nbar[16];
+};
+extern thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
 extern thread_local BlockCtx* g_blk;
 inline void __syncthreads() { g_blk->bar->arrive_and_wait(); }
 inline void __syncwarp() { g_blk->wbar[threadIdx.x / 32]->arrive_and_wait(); }
@@ -158,3 +175,168 @@ inline void st_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
 }
 inline void st_hint_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d, unsigned long long) { st_v4(p, a, b, c, d); }
 inline void cp_async16_all_hint(unsigned dst, const float* src, unsigned long long) { cp_async16_all(dst, src); }
+
+#ifdef SSD_EMU_SM90
+// The Hopper-only helpers (ptx.cuh's sm_90a section), emulated synchronously: a TMA copy is
+// done when issued and then completes its bytes on the mbarrier; a wgmma computes its result
+// when issued (the warpgroup exchanging register operands through a scratch between two
+// 128-thread barriers), so fences, commits and waits have nothing to do; an mbarrier is a state
+// under the block's mutex, and its waits spin (yielding) until the phase completes, aborting
+// after 60 s (a deadlock). Operand layouts are read as the hardware reads them: the 128-byte
+// swizzle XORs address bits 4-6 with bits 7-9 of the shared address (byte offsets from the block's
+// dynamic shared memory, which therefore starts 1024-byte aligned).
+inline float __fdividef(float a, float b) { return a / b; }
+inline void emu_die(const char* what) { fprintf(stderr, "emulation: %s\n", what); abort(); }
+inline MbarState& emu_mbar(unsigned addr) {
+    auto it = g_blk->mbar.find(addr);
+    if (it == g_blk->mbar.end()) emu_die("mbarrier used before mbarrier.init");
+    return it->second;
+}
+inline void emu_mbar_settle(MbarState& s) {
+    if (s.pending == 0 && s.tx == 0) { s.phase++; s.pending = s.count; }
+}
+inline void mbar_init(unsigned addr, unsigned count) {
+    std::lock_guard<std::mutex> l(g_blk->mu);
+    g_blk->mbar[addr] = {count, count, 0, 0};
+}
+inline void mbar_init_fence() {}
+inline void emu_mbar_arrive(unsigned addr, long long bytes) {
+    std::lock_guard<std::mutex> l(g_blk->mu);
+    MbarState& s = emu_mbar(addr);
+    if (s.pending == 0) emu_die("mbarrier: more arrivals than its count in one phase");
+    s.tx += bytes;
+    s.pending--;
+    emu_mbar_settle(s);
+}
+inline void mbar_expect_tx(unsigned addr, unsigned bytes) { emu_mbar_arrive(addr, bytes); }
+inline void mbar_arrive(unsigned addr) { emu_mbar_arrive(addr, 0); }
+inline void emu_mbar_complete_tx(unsigned addr, long long bytes) {
+    std::lock_guard<std::mutex> l(g_blk->mu);
+    MbarState& s = emu_mbar(addr);
+    s.tx -= bytes;
+    emu_mbar_settle(s);
+}
+inline void mbar_wait(unsigned addr, unsigned parity) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> l(g_blk->mu);
+            if ((emu_mbar(addr).phase & 1u) != (parity & 1u)) return;
+        }
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) emu_die("mbarrier wait: 60 s (deadlock)");
+        std::this_thread::yield();
+    }
+}
+// The tensor map (TmaDesc's 128 bytes; the host's cuTensorMapEncodeTiled in gpu/src/tma.rs):
+// a bf16 array at `base`, dims innermost first, byte strides of axes 1 and 2, boxes of
+// 64 x 64 x 1 with the 128-byte swizzle. emu_tmap_3d fills one.
+struct EmuTmap { const unsigned short* base; long long dims[3], strides[2]; };
+inline void emu_tmap_3d(void* desc, const void* base, long long d0, long long d1, long long d2, long long s1, long long s2) {
+    static_assert(sizeof(EmuTmap) <= 128, "fits a CUtensorMap");
+    const EmuTmap t = {(const unsigned short*)base, {d0, d1, d2}, {s1, s2}};
+    memset(desc, 0, 128);
+    memcpy(desc, &t, sizeof t);
+}
+inline unsigned emu_swz128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
+// Element (c0 + e, c1 + r, c2) of the map, or 0 outside it; `ok` says whether it is inside.
+inline unsigned short* emu_tmap_at(const EmuTmap& t, long long c0, long long c1, long long c2, bool& ok) {
+    ok = c0 >= 0 && c1 >= 0 && c2 >= 0 && c0 < t.dims[0] && c1 < t.dims[1] && c2 < t.dims[2];
+    return ok ? (unsigned short*)((const char*)t.base + c2 * t.strides[1] + c1 * t.strides[0] + c0 * 2) : nullptr;
+}
+inline void tma_load_3d(unsigned dst, const void* tmap, int c0, int c1, int c2, unsigned bar) {
+    EmuTmap t;
+    memcpy(&t, tmap, sizeof t);
+    if (dst % 1024) emu_die("TMA load: destination not 1024-byte aligned (the swizzle's atom)");
+    for (int r = 0; r < 64; ++r)
+        for (int e = 0; e < 64; ++e) {
+            bool ok;
+            const unsigned short* src = emu_tmap_at(t, (long long)c0 + e, (long long)c1 + r, c2, ok);
+            const unsigned short v = ok ? *src : 0;
+            memcpy((char*)g_dyn + emu_swz128(dst + 128u * r + 2u * e), &v, 2);
+        }
+    emu_mbar_complete_tx(bar, 8192);
+}
+inline void tma_store_3d(const void* tmap, unsigned src, int c0, int c1, int c2) {
+    EmuTmap t;
+    memcpy(&t, tmap, sizeof t);
+    if (src % 1024) emu_die("TMA store: source not 1024-byte aligned (the swizzle's atom)");
+    for (int r = 0; r < 64; ++r)
+        for (int e = 0; e < 64; ++e) {
+            bool ok;
+            unsigned short* d = emu_tmap_at(t, (long long)c0 + e, (long long)c1 + r, c2, ok);
+            if (ok) memcpy(d, (const char*)g_dyn + emu_swz128(src + 128u * r + 2u * e), 2);
+        }
+}
+inline void bulk_commit() {}
+template <int N> inline void bulk_wait_read() {}
+inline void bulk_wait_all() {}
+inline void fence_proxy_async_smem() {}
+inline void named_bar_sync(int id, int count) {
+    std::barrier<>* b;
+    {
+        std::lock_guard<std::mutex> l(g_blk->mu);
+        if (!g_blk->nbar[id]) g_blk->nbar[id].reset(new std::barrier<>(count));
+        b = g_blk->nbar[id].get();
+    }
+    b->arrive_and_wait();
+}
+template <int N> inline void setmaxnreg_dec() {}
+template <int N> inline void setmaxnreg_inc() {}
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int N> inline void wgmma_wait() {}
+inline void wgmma_hold(float (&)[8][4]) {}
+// The descriptors as ptx.cuh builds them (start address / 16 in bits 0-13, leading byte offset
+// / 16 in 16-29, stride byte offset / 16 in 32-45, the 128-byte swizzle in 62-63).
+inline unsigned long long wgmma_desc_kmajor_sw128(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
+}
+inline unsigned long long wgmma_desc_nmajor_sw128(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(8192u >> 4) << 16) |
+           ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
+}
+// Element (row, col) of a 128-byte-swizzled operand: rows of 64 bf16 (128 bytes), 8-row groups
+// the descriptor's stride byte offset apart. K-major: row m (or n), column k; N-major: row k,
+// column n (n < 64: one swizzle atom wide, the leading byte offset unused).
+inline float emu_desc_at(unsigned long long d, int row, int col) {
+    if ((d >> 62) != 1) emu_die("wgmma descriptor: not the 128-byte swizzle");
+    const unsigned start = (unsigned)(d & 0x3FFFu) << 4, sbo = (unsigned)((d >> 32) & 0x3FFFu) << 4;
+    unsigned short v;
+    memcpy(&v, (const char*)g_dyn + emu_swz128(start + (row / 8) * sbo + (row % 8) * 128u + 2u * col), 2);
+    return emu_lo(v);
+}
+// wgmma m64n64k16: thread (warp w of the warpgroup, lane g, q) holds d[nf][2 hf + e] at row
+// 16 w + g + 8 hf, column 8 nf + 2 q + e. f32 sums in k order, then added to d.
+template <class AF, class BF>
+inline void emu_wgmma(float (&d)[8][4], AF a, BF b, bool accumulate) {
+    const int w = (threadIdx.x % 128) / 32, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    for (int nf = 0; nf < 8; ++nf)
+        for (int e = 0; e < 4; ++e) {
+            const int row = 16 * w + g + 8 * (e >> 1), col = 8 * nf + 2 * q + (e & 1);
+            float s = 0;
+            for (int k = 0; k < 16; ++k) s += a(row, k) * b(k, col);
+            d[nf][e] = (accumulate ? d[nf][e] : 0.0f) + s;
+        }
+}
+// d = (accumulate ? d : 0) + A B, A and B K-major in shared memory.
+inline void wgmma_bf16_ss(float (&d)[8][4], unsigned long long da, unsigned long long db, int accumulate) {
+    emu_wgmma(d, [&](int m, int k) { return emu_desc_at(da, m, k); }, [&](int k, int n) { return emu_desc_at(db, n, k); },
+              accumulate != 0);
+}
+// d += A B, A (the m16n8k16 A layout, this warp's 16 rows) from registers through the
+// warpgroup's scratch, B N-major in shared memory.
+inline void wgmma_bf16_rs_nmajor(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
+    if (blockDim.x % 128) emu_die("wgmma in a block that is not whole warpgroups");
+    const int wg = threadIdx.x / 128, w = (threadIdx.x % 128) / 32, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    float(&A)[64][16] = g_blk->WA[wg];
+    for (int h = 0; h < 2; ++h) {
+        A[16 * w + g][2 * q + 8 * h] = emu_lo(a[2 * h]);
+        A[16 * w + g][2 * q + 8 * h + 1] = emu_hi(a[2 * h]);
+        A[16 * w + g + 8][2 * q + 8 * h] = emu_lo(a[2 * h + 1]);
+        A[16 * w + g + 8][2 * q + 8 * h + 1] = emu_hi(a[2 * h + 1]);
+    }
+    g_blk->gbar[wg]->arrive_and_wait();
+    emu_wgmma(d, [&](int m, int k) { return A[m][k]; }, [&](int k, int n) { return emu_desc_at(db, k, n); }, true);
+    g_blk->gbar[wg]->arrive_and_wait();
+}
+#endif

@@ -9,11 +9,14 @@
 // seq_idx is the one the split implies, bit 2 gives each sequence an initial state (some masked
 // off), and the packed path (stage 2 with chunk_init, ssd_seq_init_out, ssd_states_at) is also
 // run, in both versions of stage 2, and compared with a float64 recurrence sequence by sequence.
+// Built with -DSSD_EMU_SM90, the kernels take their sm_90a paths (the walking stage 2's
+// warpgroup products) and the Hopper output kernel runs too (emu.h emulates TMA, mbarriers and
+// wgmma).
 #include "kernels.h"
 #include <random>
 #include <string>
 #include <functional>
-thread_local dim3e threadIdx, blockIdx, blockDim;
+thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
 thread_local BlockCtx* g_blk;
 thread_local std::vector<std::vector<Copy>> g_groups;
 thread_local std::vector<Copy> g_cur;
@@ -26,10 +29,11 @@ void launch(dim3e grid, int nt, size_t dyn_bytes, F f) {
         BlockCtx ctx; std::barrier<> bar(nt); ctx.bar = &bar;
         std::vector<std::unique_ptr<std::barrier<>>> wb;
         for (int w = 0; w < (nt + 31) / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); ctx.wbar[w] = wb.back().get(); }
+        for (int g = 0; g < nt / 128; ++g) { wb.emplace_back(new std::barrier<>(128)); ctx.gbar[g] = wb.back().get(); }
         ctx.dyn = dyn.data();
         std::vector<std::thread> th;
         for (int t = 0; t < nt; ++t) th.emplace_back([&, t] {
-            threadIdx = {(unsigned)t, 0, 0}; blockIdx = {x, y, z}; blockDim = {(unsigned)nt, 1, 1}; g_blk = &ctx;
+            threadIdx = {(unsigned)t, 0, 0}; blockIdx = {x, y, z}; blockDim = {(unsigned)nt, 1, 1}; gridDim = grid; g_blk = &ctx;
             g_groups.clear(); g_cur.clear();
             f();
             bool pend = !g_cur.empty(); for (auto& gg : g_groups) pend |= !gg.empty(); if (pend) { fprintf(stderr, "pending cp.async at exit\n"); }
@@ -361,6 +365,41 @@ int main(int argc, char** argv) {
         launch({(unsigned)(nc * ((Q + 127) / 128)), (unsigned)(H * ptiles / 2), (unsigned)B}, 256, ssd_compute_out_pair_bf16_layout.smem[0], [&] {
             ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), loH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
         launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outh.data(), outH.data(), (long long)nx}); });
+#ifdef SSD_EMU_SM90
+        // The Hopper output kernel, where the host runs it (headdim 64, dstate 128, chunks of 128
+        // or 256, no seq_idx, pairs of heads within a group), on 3 persistent blocks: the pair
+        // kernel's operands and rounding points, its own scores (f32 sums in another order), so a
+        // bf16 rounding of a decayed score or of out may land one unit (2^-8) apart: within 1e-2
+        // of the largest magnitude (2.5 such units), where a wrong tile, decay or mask errs by the
+        // size of out itself.
+        if (P == 64 && N == 128 && (Q == 128 || Q == 256) && !seqp && (H / G) % 2 == 0) {
+            std::vector<unsigned short> outwh(nx, 0xffff);
+            std::vector<float> outW(nx, NAN);
+            ComputeOutWgBf16Params wp;
+            const long long xw = (long long)H * P, bw = (long long)G * N;
+            emu_tmap_3d(&wp.tm_x, xh.data(), xw, L, B, 2 * xw, 2 * xw * L);
+            emu_tmap_3d(&wp.tm_c, ch.data(), bw, L, B, 2 * bw, 2 * bw * L);
+            emu_tmap_3d(&wp.tm_b, bh.data(), bw, L, B, 2 * bw, 2 * bw * L);
+            emu_tmap_3d(&wp.tm_s, loH.data(), N, P, (long long)B * nc * H, 2 * N, 2LL * P * N);
+            emu_tmap_3d(&wp.tm_out, outwh.data(), xw, L, B, 2 * xw, 2 * xw * L);
+            wp.Dv = Dv.data();
+            wp.z = zhp;
+            wp.dt_out = dto.data();
+            wp.dA_cumsum = dac.data();
+            wp.seqlen = L; wp.nheads = H; wp.headdim = P; wp.ngroups = G; wp.dstate = N; wp.chunk_size = Q;
+            wp.nchunks = nc; wp.d_per_channel = (opts & 8) ? 1 : 0; wp.has_initial_states = initp ? 1 : 0; wp.batch = B;
+            launch({3, 1, 1}, 384, sizeof(ComputeOutWgBf16Smem) + 1024, [&] { ssd_compute_out_wg_bf16(wp); });
+            launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outwh.data(), outW.data(), (long long)nx}); });
+            nans += cmp("bf16 out Hopper kernel vs pair kernel", outW, outH, 1e-2);
+            // SSD_EMU_DUMP=FILE: its bf16 out written to FILE, to compare two builds' bits.
+            if (const char* dump = getenv("SSD_EMU_DUMP")) {
+                FILE* f = fopen(dump, "wb");
+                if (!f || fwrite(outwh.data(), 2, nx, f) != nx || fclose(f) != 0) { fprintf(stderr, "cannot write %s\n", dump); return 2; }
+            }
+        } else {
+            printf("bf16 Hopper output kernel: not applicable\n");
+        }
+#endif
         if (N <= 128) {  // the chained stage 2 in bf16: the same bits as the two launches above
             std::vector<float> cstHC(nst, NAN), finHC(nfs, NAN);
             std::vector<int> chain(1 + (size_t)B * (H * ptiles / 2) * nc, 0);

@@ -10,7 +10,9 @@
 //! ```
 //!
 //! `TARGET` is an NVRTC target, `sm_90a` (the H200's, the default) or `compute_80` (the PTX
-//! that other devices get); `FILTER` keeps the kernels whose name contains it. Local memory
+//! that other devices get); `FILTER` keeps the kernels whose name contains it. With
+//! `SSD_PTX_OUT=FILE` the PTX that ptxas compiled is also written to `FILE` (for comparing the
+//! code of two builds, `scripts/ptx-diff.sh`). Local memory
 //! per thread (the stack frame) is what the driver reports as `local` on the device, and spills
 //! in an issue-bound loop cost time (docs/performance.md).
 
@@ -86,7 +88,12 @@ fn main() -> ExitCode {
     let result = (|| -> Result<String, String> {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let ptx_path = dir.join("kernels.ptx");
-        std::fs::write(&ptx_path, ptx).map_err(|e| format!("{}: {e}", ptx_path.display()))?;
+        std::fs::write(&ptx_path, &ptx).map_err(|e| format!("{}: {e}", ptx_path.display()))?;
+        if let Some(out) = std::env::var_os("SSD_PTX_OUT") {
+            std::fs::write(&out, &ptx).map_err(|e| {
+                format!("SSD_PTX_OUT {}: {e}", std::path::Path::new(&out).display())
+            })?;
+        }
         let ptxas = std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into());
         let run = Command::new(&ptxas)
             .arg(format!("-arch={arch}"))

@@ -163,9 +163,9 @@ __device__ __forceinline__ void st_release_gpu(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// Hopper only (sm_90a; compiled out for every other target and in the CPU emulation, where the
-// one kernel that uses them, compute_out/wg_bf16.cu, has an empty body): tensor-memory copies
-// (TMA) onto mbarriers, and warpgroup products (wgmma) with f32 accumulators.
+// Hopper only (sm_90a; compiled out for every other target; the CPU emulation's sm_90a build
+// emulates each under its name): tensor-memory copies (TMA) onto mbarriers, and warpgroup
+// products (wgmma) with f32 accumulators.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // An mbarrier in shared memory (`addr` from smem_addr), expecting `count` arrivals per phase.
 __device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
