@@ -50,11 +50,13 @@
 // then the copies of stage s + 2 into the slot stage s - 1 read (its A fragments then live
 // across two stages). Versions 63 and 64, A from shared memory too, were timed and removed
 // (docs/perf-history.md).
-// WALK_NST=2 (default 3) makes the ring two slots, one stage in flight while one is used (not
-// with PIPE), so that a one-unit bf16 block takes about 56 KB instead of 83; WALK_MINB1 (default
-// 2) is the blocks of ssd_state_walk_bf16_1 an SM must hold (its __launch_bounds__: 3 caps it at
-// 168 registers, 4 at 128), for more one-unit blocks per SM (fewer waves) where shared memory
-// allows them.
+// The ring has two slots in ssd_state_walk_bf16_1 (one stage in flight while one is used;
+// three with PIPE) and three in the other kernels (two in flight): a one-unit bf16 block takes
+// about 56 KB instead of 83, so that three of them fit an SM. WALK_MINB1 is the blocks of
+// ssd_state_walk_bf16_1 an SM must hold (its __launch_bounds__): 3 by default (168 registers
+// at most), for fewer waves (version 65, docs/perf-history.md); 4 caps it at 128; 2 (the default
+// with PIPE) leaves it 194 as in version 62. WALK_NST=2 or 3 among the NVRTC options sets every
+// kernel's ring.
 #define WALK_XS 72
 #define WALK_BS 136
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && (!defined(WALK_WG) || WALK_WG != 0)
@@ -65,13 +67,12 @@
 #ifndef WALK_PIPE
 #define WALK_PIPE 0  // 1: the warpgroup products in flight across stages
 #endif
-#ifndef WALK_NST
-#define WALK_NST 3  // ring slots: 3 (two stages in flight while one is used) or 2 (one)
-#endif
 #ifndef WALK_MINB1
-#define WALK_MINB1 2  // blocks of ssd_state_walk_bf16_1 one SM must hold (its register cap)
+#define WALK_MINB1 (WALK_PIPE ? 2 : 3)  // blocks of ssd_state_walk_bf16_1 one SM must hold
 #endif
+#ifdef WALK_NST
 static_assert(WALK_NST == 2 || WALK_NST == 3, "two or three ring slots");
+#endif
 static_assert(WALK_MINB1 >= 2 && WALK_MINB1 <= 4, "two to four one-unit blocks per SM");
 template <typename X>
 struct WalkTokens {
@@ -79,18 +80,28 @@ struct WalkTokens {
     static constexpr bool WG = sizeof(X) == 2 && WALK_WG_ON;  // the warpgroup products
     static constexpr bool PIPE = WG && WALK_PIPE;             // products in flight across stages
 };
+// Ring slots: 3 (two stages in flight while one is used) or 2 (one).
+template <typename X, int HB>
+struct WalkRing {
+#ifdef WALK_NST
+    static constexpr int NST = WALK_NST;
+#else
+    static constexpr int NST = (sizeof(X) == 2 && HB == 1 && !WalkTokens<X>::PIPE) ? 2 : 3;
+#endif
+};
 template <typename X, int HB>
 struct StateWalkSmem {
     static constexpr int TK = WalkTokens<X>::TK;
     static constexpr bool WG = WalkTokens<X>::WG;
     static constexpr bool PIPE = WalkTokens<X>::PIPE;
+    static constexpr int NST = WalkRing<X, HB>::NST;
     struct Stage {
         // B: [1][token][WALK_BS], or with WG [dstate half][token][64] swizzled
         alignas(WG ? 1024 : 16) X b[WG ? 2 : 1][TK][WG ? 64 : WALK_BS];
         X x[HB][TK][WALK_XS];  // unit j's 64 columns
         float cs[HB][TK], dt[HB][TK];
         int seq[TK];
-    } stage[WALK_NST];
+    } stage[NST];
     float w[4 * HB][TK];          // each warp's w of the current stage
     const void* base[HB][4];      // each unit's x, B, dA_cumsum and dt' rows (read by the copies
                                   // instead of held in registers across the chunk loop)
@@ -225,7 +236,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     const int total = (nc - 1) * nsq + (len_last + TK - 1) / TK;
 
     auto issue = [&](int s) {
-        typename Smem::Stage& st = sm.stage[s % WALK_NST];
+        typename Smem::Stage& st = sm.stage[s % Smem::NST];
         const int tl = tid_fresh() & 127;  // the copy offsets recomputed here, not held across the loop
         const X* x_u = static_cast<const X*>(sm.base[j][0]);
         const X* b_g = static_cast<const X*>(sm.base[j][1]);
@@ -304,7 +315,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     int seq_last = 0;
 
     __syncthreads();  // the base addresses
-    constexpr int AHEAD = WALK_NST - 1;  // stages in flight while one is used
+    constexpr int AHEAD = Smem::NST - 1;  // stages in flight while one is used
     static_assert(AHEAD == 2 || !Smem::PIPE, "products in flight across stages need three slots");
     if (AHEAD == 2) {
         issue(0);
@@ -372,7 +383,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 if (s + AHEAD < total) issue(s + AHEAD);
                 cp_async_commit();
             }
-            const typename Smem::Stage& st = sm.stage[s % WALK_NST];
+            const typename Smem::Stage& st = sm.stage[s % Smem::NST];
             const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k * TK);
     #pragma unroll
             for (int e = 0; e < TK; e += 32) {
