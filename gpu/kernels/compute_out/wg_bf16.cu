@@ -54,17 +54,10 @@
 // docs/gpu.md): WGO_CBUF 1 or 2 per-item buffers, WGO_STAGES ring slots, WGO_OUTH staging tiles
 // per consumer warpgroup; WGO_PASS 0 (version 58's form) walks an item in one pass, each
 // consumer warpgroup holding two row tiles, T - 1 - k where that is above 1, and k, token tile j
-// outer (128 accumulators a head). WGO_COLT 1 (version 66; not yet timed): the off-diagonal
-// column factors 2^(R - csl_j) dt'_j of each row tile r > 0 (R = csl[64 r - 1], tokens
-// j < 64 r; each at most dt'_j) computed once per item by each consumer warpgroup into its own
-// table (at most 6 exponentials a thread, between two barriers of the warpgroup, right after
-// `cfull`), with the visits' arithmetic (the same bits); an off-diagonal visit then reads a
-// factor pair where it computed one: per column pair and head one shared-memory read in place of
-// two, two subtractions, two exponentials and two products (7 instructions of 14; a thread's
-// exponentials an item at T = 4 from 234 to 144). The forms that versions 52 to 60
-// tried and did not keep (the decay's form chosen per fragment, the producer's column factors
-// in version 52's kernel, a timing-only decay, the
-// next unit's scores issued before the decay, three consumer warpgroups) are in the history
+// outer (128 accumulators a head). The forms that versions 52 to 60 and 66 tried and did not
+// keep (the decay's form chosen per fragment, the column factors from the producer or from a
+// per-item table, a timing-only decay, the next unit's scores issued before the decay, three
+// consumer warpgroups) are in the history
 // (docs/perf-history.md), with the commits that hold them. A timing-only form must keep every
 // product's result alive: ptxas removes the products (and the decay feeding them) whose
 // accumulators reach no memory. A form must also compile without ptxas's "Potential Performance
@@ -89,13 +82,6 @@
 #ifndef WGO_CBUF
 #define WGO_CBUF 2  // per-item buffers (C, dA_cumsum, dt')
 #endif
-#ifndef WGO_COLT
-#define WGO_COLT 0  // 1: the off-diagonal column factors from a table the producer fills
-#endif
-// Entries of the column-factor table per head: row tile r (1 to WGO_TILES - 1) holds its 64 r
-// tokens from 32 r (r - 1) on.
-#define WGO_COLT_N (32 * WGO_TILES * (WGO_TILES - 1))
-static_assert(!WGO_COLT || WGO_TILES == 4, "the table's row tiles are 1, 2 and 3");
 struct ComputeOutWgBf16Smem {
     bf16_t c[WGO_CBUF][WGO_TILES][2][64 * 64];  // [item parity][row tile][dstate half]: C rows
     bf16_t ring[WGO_STAGES][4][64 * 64];  // the states: [2 head + dstate half] bf16(S_h)[p][..];
@@ -104,9 +90,6 @@ struct ComputeOutWgBf16Smem {
     float csl[WGO_CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
                                           // (-inf past the chunk's end)
     float dt[WGO_CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
-#if WGO_COLT
-    float colt[2][2][WGO_COLT_N];  // [consumer warpgroup][head][32 r (r - 1) + token]: 2^(R_r - csl_j) dt'_j
-#endif
     unsigned long long full[WGO_STAGES], empty[WGO_STAGES], cfull[WGO_CBUF], cempty[WGO_CBUF];
 };
 static_assert(sizeof(bf16_t) * 64 * 64 == 8192, "8 KB tiles, each 1024-byte aligned in the struct");
@@ -331,18 +314,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int hh = 0; hh < 2; ++hh)
             dhead[hh] = (p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + hh] : 0.0f;
         mbar_wait(smem_addr(&sm.cfull[par]), (it / WGO_CBUF) & 1);
-#if WGO_COLT
-        // This warpgroup's column factors of row tiles 1 to T - 1, once its reads of the last
-        // item's are done.
-        named_bar_sync(1 + wg, 128);
-        for (int hh = 0; hh < 2; ++hh)
-            for (int r = 1; r < wi.T; ++r) {
-                const float R = sm.csl[par][hh][64 * r - 1];
-                float* col = &sm.colt[wg][hh][32 * r * (r - 1)];
-                for (int j = tid % 128; j < 64 * r; j += 128) col[j] = ex2_approx(R - sm.csl[par][hh][j]) * sm.dt[par][hh][j];
-            }
-        named_bar_sync(1 + wg, 128);
-#endif
         for (int pass = 0; pass < wg_npass(wi.T); ++pass) {
             const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
             // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
@@ -444,14 +415,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                                 f[hf][0] = jl <= il ? ex2_approx(csl[ri][hh][hf] - cj.x) * dj.x : 0.0f;
                                 f[hf][1] = jl + 1 <= il ? ex2_approx(csl[ri][hh][hf] - cj.y) * dj.y : 0.0f;
                             }
-                        } else if (WGO_COLT) {
-#if WGO_COLT
-                            const int r = rows[ri];
-                            const float2 fj =
-                                *reinterpret_cast<const float2*>(&sm.colt[wg][hh][32 * r * (r - 1) + 64 * j + jl]);
-                            f[0][0] = f[1][0] = fj.x;
-                            f[0][1] = f[1][1] = fj.y;
-#endif
                         } else {
                             f[0][0] = f[1][0] = ex2_approx(R[ri][hh] - cj.x) * dj.x;
                             f[0][1] = f[1][1] = ex2_approx(R[ri][hh] - cj.y) * dj.y;
