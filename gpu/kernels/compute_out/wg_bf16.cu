@@ -1,10 +1,11 @@
 // Stage 3 on Hopper with bf16 inputs and output, ssd_compute_out_wg_bf16: the copies on the copy
 // engine (TMA), the products on warpgroup products (wgmma), sm_90a only (the body is empty for
 // every other target, and in the CPU emulation but its sm_90a build, scripts/gpu-emu.sh; the
-// host chooses this kernel only on Hopper and only where it serves, see docs/gpu.md). The contract, operands and rounding points are those
-// of ssd_compute_out_pair_bf16 (bf16.cu): the decayed scores rounded to bf16 (cb.to(x.dtype)),
-// the carried state read as stage 2's bf16 copy (states_lo), f32 accumulation. It computes the
-// scores C B^T itself (bf16 operands, f32 accumulation, as 3a does), so 3a does not run.
+// host chooses this kernel only on Hopper and only where it serves, see docs/gpu.md). The
+// contract, operands and rounding points are those of ssd_compute_out_pair_bf16 (bf16.cu): the
+// decayed scores rounded to bf16 (cb.to(x.dtype)), the carried state read as stage 2's bf16
+// copy (states_lo), f32 accumulation. It computes the scores C B^T itself (bf16 operands, f32
+// accumulation, as 3a does), so 3a does not run.
 //
 // It serves headdim 64, dstate 128, chunks of 128 or 256 tokens, no seq_idx, and an even
 // number of heads per group. A work item is (batch, chunk, pair of heads h0, h0 + 1 of one
