@@ -238,34 +238,35 @@ inline void emu_tmap_3d(void* desc, const void* base, long long d0, long long d1
     memcpy(desc, &t, sizeof t);
 }
 inline unsigned emu_swz128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
-// Element (c0 + e, c1 + r, c2) of the map, or 0 outside it; `ok` says whether it is inside.
-inline unsigned short* emu_tmap_at(const EmuTmap& t, long long c0, long long c1, long long c2, bool& ok) {
-    ok = c0 >= 0 && c1 >= 0 && c2 >= 0 && c0 < t.dims[0] && c1 < t.dims[1] && c2 < t.dims[2];
+// Element (c0, c1, c2) of the map, or null outside it.
+inline unsigned short* emu_tmap_at(const EmuTmap& t, long long c0, long long c1, long long c2) {
+    const bool ok = c0 >= 0 && c1 >= 0 && c2 >= 0 && c0 < t.dims[0] && c1 < t.dims[1] && c2 < t.dims[2];
     return ok ? (unsigned short*)((const char*)t.base + c2 * t.strides[1] + c1 * t.strides[0] + c0 * 2) : nullptr;
 }
-inline void tma_load_3d(unsigned dst, const void* tmap, int c0, int c1, int c2, unsigned bar) {
+// One 64 x 64 box at (c0, c1, c2) between the map and the swizzled tile at shared address `tile`:
+// a load zero-fills what lies outside the tensor, a store skips it.
+inline void emu_tma_box(const void* tmap, unsigned tile, int c0, int c1, int c2, bool load) {
     EmuTmap t;
     memcpy(&t, tmap, sizeof t);
-    if (dst % 1024) emu_die("TMA load: destination not 1024-byte aligned (the swizzle's atom)");
+    if (tile % 1024) emu_die("TMA: shared tile not 1024-byte aligned (the swizzle's atom)");
     for (int r = 0; r < 64; ++r)
         for (int e = 0; e < 64; ++e) {
-            bool ok;
-            const unsigned short* src = emu_tmap_at(t, (long long)c0 + e, (long long)c1 + r, c2, ok);
-            const unsigned short v = ok ? *src : 0;
-            memcpy((char*)g_dyn + emu_swz128(dst + 128u * r + 2u * e), &v, 2);
+            unsigned short* g = emu_tmap_at(t, (long long)c0 + e, (long long)c1 + r, c2);
+            char* sh = (char*)g_dyn + emu_swz128(tile + 128u * r + 2u * e);
+            if (load) {
+                const unsigned short v = g ? *g : 0;
+                memcpy(sh, &v, 2);
+            } else if (g) {
+                memcpy(g, sh, 2);
+            }
         }
+}
+inline void tma_load_3d(unsigned dst, const void* tmap, int c0, int c1, int c2, unsigned bar) {
+    emu_tma_box(tmap, dst, c0, c1, c2, true);
     emu_mbar_complete_tx(bar, 8192);
 }
 inline void tma_store_3d(const void* tmap, unsigned src, int c0, int c1, int c2) {
-    EmuTmap t;
-    memcpy(&t, tmap, sizeof t);
-    if (src % 1024) emu_die("TMA store: source not 1024-byte aligned (the swizzle's atom)");
-    for (int r = 0; r < 64; ++r)
-        for (int e = 0; e < 64; ++e) {
-            bool ok;
-            unsigned short* d = emu_tmap_at(t, (long long)c0 + e, (long long)c1 + r, c2, ok);
-            if (ok) memcpy(d, (const char*)g_dyn + emu_swz128(src + 128u * r + 2u * e), 2);
-        }
+    emu_tma_box(tmap, src, c0, c1, c2, false);
 }
 inline void bulk_commit() {}
 template <int N> inline void bulk_wait_read() {}
