@@ -14,7 +14,8 @@
 // is persistent: block k takes items k, k + gridDim.x, ... (one block of 384 threads, three
 // warpgroups, per SM).
 //
-// Warpgroup 0 produces (24 registers a thread, setmaxnreg; the consumers take 240):
+// Warpgroup 0 produces (WGO_PREG registers a thread, 24 by default, setmaxnreg; the consumers take
+// WGO_CREG, 240):
 // - its thread 0 streams each item's ring stages through WGO_STAGES slots of 32 KB, in the
 //   order the consumers use them: the carried states of both heads (when there is one), then
 //   for each token tile j the B tile and both heads' x tiles; a slot is refilled once every
@@ -78,6 +79,19 @@
 #ifndef WGO_PASS
 #define WGO_PASS 1
 #endif
+// Registers a thread after setmaxnreg: the producer warpgroup's and the consumers'. The block
+// launches with 168 a thread (384 threads, one block an SM), so WGO_PREG + 2 WGO_CREG <= 504.
+// At 24 ptxas spills the producer's loop state (47 local loads and stores in its SASS, thread 0
+// reloading its item's fields between the ring's waits); at 40 it spills none, and the consumers
+// at 232 spill 8 bytes outside the visit loop (version 67, docs/perf-history.md: not yet timed).
+#ifndef WGO_PREG
+#define WGO_PREG 24
+#endif
+#ifndef WGO_CREG
+#define WGO_CREG 240
+#endif
+static_assert(WGO_PREG + 2 * WGO_CREG <= 504 && WGO_PREG % 8 == 0 && WGO_CREG % 8 == 0,
+              "the producer's and consumers' registers within the block's 384 x 168");
 // Row slots a consumer warpgroup holds accumulators for: 2, or 1 in passes.
 #define NSLOT (WGO_PASS ? 1 : 2)
 #ifndef WGO_CBUF
@@ -233,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     __syncthreads();
 
     if (tid < 128) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<WGO_PREG>();
         if (tid == 0) {
             // The ring: the states, then (B_j, x_j) for each token tile, item after item.
             unsigned s = 0;
@@ -300,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         return;
     }
 
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<WGO_CREG>();
     const int wg = tid / 128 - 1;
     const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const unsigned tok_stride_x = (unsigned)(p.nheads * p.headdim);
