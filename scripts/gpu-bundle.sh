@@ -65,7 +65,7 @@ else
 fi
 [ -d fixtures ] && cp -r fixtures "$bundle/fixtures"
 [ -d .anchors ] && cp -r .anchors "$bundle/anchors"
-cp scripts/gpu_bench_table.py scripts/gpu_ab.py "$bundle/"
+cp scripts/gpu_bench_table.py scripts/gpu_ab.py scripts/ncu_stalls.py "$bundle/"
 cp scripts/gpu-run-all.sh "$bundle/run-all.sh"
 chmod +x "$bundle/run-all.sh"
 du -sh "$bundle"
