@@ -83,15 +83,16 @@
 // launches with 168 a thread (384 threads, one block an SM), so WGO_PREG + 2 WGO_CREG <= 504.
 // At 24 ptxas spills the producer's loop state (47 local loads and stores in its SASS, thread 0
 // reloading its item's fields between the ring's waits); at 40 it spills none, and the consumers
-// at 232 spill 8 bytes outside the visit loop (version 67, docs/perf-history.md: not yet timed).
+// at 232 spill 8 bytes outside the visit loop (version 68, docs/perf-history.md: not yet timed).
 #ifndef WGO_PREG
 #define WGO_PREG 24
 #endif
 #ifndef WGO_CREG
 #define WGO_CREG 240
 #endif
-static_assert(WGO_PREG + 2 * WGO_CREG <= 504 && WGO_PREG % 8 == 0 && WGO_CREG % 8 == 0,
-              "the producer's and consumers' registers within the block's 384 x 168");
+static_assert(WGO_PREG + 2 * WGO_CREG <= 504 && WGO_PREG % 8 == 0 && WGO_CREG % 8 == 0 && WGO_PREG >= 24 &&
+                  WGO_CREG <= 256,
+              "setmaxnreg's range (24 to 256, multiples of 8), within the block's 384 x 168 registers");
 // Row slots a consumer warpgroup holds accumulators for: 2, or 1 in passes.
 #define NSLOT (WGO_PASS ? 1 : 2)
 #ifndef WGO_CBUF
