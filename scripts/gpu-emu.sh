@@ -26,7 +26,7 @@
 # The kernel sources are compiled as they are (gpu/emu/kernels.h), emu.h standing in for
 # kernels/ptx.cuh. Needs g++ with C++20. Slow (threads): keep the problems small.
 # `bash scripts/gpu-emu.sh sm90` runs only the sm_90a build's cases. SSD_EMU_OPTIONS adds
-# defines to both builds, as SSD_NVRTC_OPTIONS does on the GPU (e.g. "-DWGO_COLT=1").
+# defines to both builds, as SSD_NVRTC_OPTIONS does on the GPU (e.g. "-DWGO_PREG=40 -DWGO_CREG=232").
 set -euo pipefail
 only=${1:-}
 case "$only" in "" | sm90) ;; *) echo "usage: $0 [sm90]" >&2; exit 2 ;; esac
