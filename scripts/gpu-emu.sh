@@ -23,6 +23,12 @@
 # different f32 orders, so a rounding may land one unit apart). A causal mask shifted by one
 # column or the carried state's decay halved (in log2) exceed it 22x and 18x, the walker's
 # dstate halves swapped its 1e-4 16,000x.
+# The segmented walk (ssd_state_walk_seg_1 / _bf16_1: phase 0, the combination, phase 1; dstate up
+# to 256 in two 128-column units) runs on every case without seq_idx and with 2 chunks or more, in
+# segments of 1 and 2 chunks, in both builds (the sm_90a one on wgmma): its chunk and final states
+# within 1e-4 of the pass's, f32 and bf16, its bf16 copy that of its own states rounded to nearest
+# even, the same bits without chunk_states. The combination without the segments' decay exceeds
+# that 2,700x (slow decay, dstate 256), the two column units' B tiles swapped 3,100x.
 # The kernel sources are compiled as they are (gpu/emu/kernels.h), emu.h standing in for
 # kernels/ptx.cuh. Needs g++ with C++20. Slow (threads): keep the problems small.
 # `bash scripts/gpu-emu.sh sm90` runs only the sm_90a build's cases. SSD_EMU_OPTIONS adds
@@ -86,14 +92,17 @@ run_cases() {
 2 260 10 72 2 80 128 1 23
 1 600 10 64 1 72 128 62 24
 2 300 10 72 2 80 128 33 25
+1 300 2 64 1 256 64 34 31
+1 400 2 64 1 256 128 34 32
 CASES
 # sm_90a paths: the Hopper output kernel (T = 1 to 4 token tiles, the two-pass form, batch 2 and
 # two groups, every option but seq_idx, which it does not serve) and the walking stage 2's
-# warpgroup products (1, 2 and 5 units a block).
+# warpgroup products (1, 2 and 5 units a block, and the segmented walk, dstate 256 in the last).
 run_cases "$work/emu90" "sm_90a: " <<'CASES'
 1 300 2 64 1 128 128 62 26
 1 300 2 64 1 128 256 14 27
 2 200 4 64 2 128 128 16 28
 1 140 10 64 1 80 128 34 30
+1 400 2 64 1 256 128 2 33
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

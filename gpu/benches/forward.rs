@@ -165,10 +165,13 @@ fn bench<T: Upload>(
     } else {
         out_kernel
     };
-    // Stage 2 as the walking kernel with `h` units a block, or as one chained kernel
-    // (Variant::V3, where they serve, in that order: `Gpu::forward_into`'s choice).
+    // Stage 2 as the walking kernel with `h` units a block, the segmented walk in `n` segments,
+    // or as one chained kernel (Variant::V3, where they serve, in that order:
+    // `Gpu::forward_into`'s choice; no seq_idx here).
     let state_kernel = if let Some(h) = gpu.state_walk_units(&dims, &options, T::BF16) {
         format!("walk{h}")
+    } else if let Some((_, n)) = gpu.state_walk_segments(&dims, &options, T::BF16, false) {
+        format!("walkseg{n}")
     } else if gpu.uses_chained(&dims, &options) {
         "chained".to_string()
     } else {

@@ -317,6 +317,32 @@ int main(int argc, char** argv) {
     } else {
         printf("chained stage 2: not applicable\n");
     }
+    // The segmented walk in f32 (one unit and 128 dstate columns a block, dstate up to 256, no
+    // seq_idx), segments of 1 and 2 chunks: phase 0, the combination, phase 1; the same TF32
+    // terms, summed onto the decayed state and combined at the segment boundaries.
+    if (state_pairs && !seqp && nc >= 2) {
+        const unsigned units = (unsigned)(H * ptiles * ((N + 127) / 128));
+        for (int per : {1, 2}) {
+            const int nseg = (nc + per - 1) / per;
+            std::vector<float> cstS(nst, NAN), finS(nfs, NAN);
+            auto prm = [&](int phase) {
+                return StateWalkSegParams{{x.data(), Bm.data(), dto.data(), dac.data(), initp, nullptr, cstS.data(), finS.data(), nullptr, L, H, P, G, N, Q, nc, B, nullptr}, {per, nseg, phase, 1}};
+            };
+            const size_t smem = ssd_state_walk_seg_1_layout.smem[0];
+            if (nseg > 1) {
+                launch({units, (unsigned)(nseg - 1), (unsigned)B}, 128, smem, [&] { ssd_state_walk_seg_1(prm(0)); });
+                launch({(unsigned)((nfs / 2 + 255) / 256), 1, 1}, 256, 0, [&] { ssd_state_walk_seg_combine(prm(0)); });
+            }
+            launch({units, (unsigned)nseg, (unsigned)B}, 128, smem, [&] { ssd_state_walk_seg_1(prm(1)); });
+            char name[80];
+            snprintf(name, sizeof name, "walk seg%d f32 chunk_states vs pairs", per);
+            nans += cmp(name, cstS, cstP, 1e-4);
+            snprintf(name, sizeof name, "walk seg%d f32 final_states vs pairs", per);
+            nans += cmp(name, finS, finP, 1e-4);
+        }
+    } else {
+        printf("segmented walk: not applicable\n");
+    }
     // bf16 I/O, where the host runs the bf16 kernels (the pair kernels' shapes, headdim and
     // dstate multiples of 8): x, B, C, z rounded to bf16; the bf16 kernels against version 1 in
     // f32 on the same rounded values, within 3e-2 of the largest magnitude (bf16 operands: 2^-8
@@ -460,6 +486,45 @@ int main(int argc, char** argv) {
                 snprintf(name, sizeof name, "walk%d states_lo vs 2b", hb);
                 nans += cmp(name, loWf, loHf, 1e-2);
                 printf("walk%d states_lo vs its chunk_states rounded: %zu differ; without chunk_states: %zu differ\n", hb, rne_bad, lean_bad);
+                nans += rne_bad + lean_bad;
+            }
+        }
+        // The segmented walk in bf16 (as in f32 above), kept and not kept (the bf16 copy and final
+        // states alone in phase 1; chunk_states is still the phases' scratch).
+        if (!seqp && nc >= 2) {
+            const unsigned units = (unsigned)(H * ptiles * ((N + 127) / 128));
+            for (int per : {1, 2}) {
+                const int nseg = (nc + per - 1) / per;
+                auto walk = [&](std::vector<float>& cst, std::vector<float>& fin, std::vector<unsigned short>& lo, int keep) {
+                    auto prm = [&](int phase) {
+                        return StateWalkSegBf16Params{{xh.data(), bh.data(), dto.data(), dac.data(), initp, nullptr, cst.data(), fin.data(), nullptr, L, H, P, G, N, Q, nc, B, lo.data()}, {per, nseg, phase, keep}};
+                    };
+                    const size_t smem = ssd_state_walk_seg_bf16_1_layout.smem[0];
+                    if (nseg > 1) {
+                        launch({units, (unsigned)(nseg - 1), (unsigned)B}, 128, smem, [&] { ssd_state_walk_seg_bf16_1(prm(0)); });
+                        launch({(unsigned)((nfs / 2 + 255) / 256), 1, 1}, 256, 0, [&] {
+                            const StateWalkSegBf16Params q = prm(0);
+                            ssd_state_walk_seg_combine(StateWalkSegParams{{nullptr, nullptr, q.c.dt_out, q.c.dA_cumsum, q.c.initial_states, nullptr, q.c.chunk_states, q.c.final_states, nullptr, L, H, P, G, N, Q, nc, B, nullptr}, q.sg});
+                        });
+                    }
+                    launch({units, (unsigned)nseg, (unsigned)B}, 128, smem, [&] { ssd_state_walk_seg_bf16_1(prm(1)); });
+                };
+                std::vector<float> cstS(nst, NAN), finS(nfs, NAN), cstSL(nst, NAN), finSL(nfs, NAN);
+                std::vector<unsigned short> loS(nst, 0xffff), loSL(nst, 0xffff);
+                walk(cstS, finS, loS, 1);
+                walk(cstSL, finSL, loSL, 0);
+                char name[80];
+                snprintf(name, sizeof name, "walk seg%d chunk_states vs pairs", per);
+                nans += cmp(name, cstS, cstH, 1e-4);
+                snprintf(name, sizeof name, "walk seg%d final_states vs pairs", per);
+                nans += cmp(name, finS, finH, 1e-4);
+                size_t rne_bad = 0, lean_bad = 0;
+                for (size_t i = 0; i < nst; ++i) {
+                    rne_bad += loS[i] != (unsigned short)emu_bf16_rne(cstS[i]);
+                    lean_bad += loSL[i] != loS[i];
+                }
+                for (size_t i = 0; i < (size_t)nfs; ++i) lean_bad += std::memcmp(&finSL[i], &finS[i], 4) != 0;
+                printf("walk seg%d states_lo vs its chunk_states rounded: %zu differ; not kept: %zu differ\n", per, rne_bad, lean_bad);
                 nans += rne_bad + lean_bad;
             }
         }

@@ -7,6 +7,7 @@ use crate::error::unsupported;
 use crate::kernels::Kernel;
 use crate::params::{
     ChunkStateLocalParams, FwdPassStateParams, StateChainedParams, StatePassingParams, StateSizes,
+    StateWalkSegParams,
 };
 use crate::runtime::{int, Args};
 use crate::shape::{state_local_variant, StateLocal, TILE_N, TILE_P};
@@ -55,6 +56,28 @@ pub(crate) fn walk_units_for(
             (h * waves, std::cmp::Reverse(h))
         })
 }
+
+/// The segmented walk's plan for rows of `nchunks` chunks: `(chunks per segment, segments)`,
+/// from `wanted` segments (0: `slots / units`, the segments that fill the device's block
+/// slots, at least 1), at most one chunk a segment, and no empty last segment (the count is
+/// that of `ceil(nchunks / per segment)`).
+pub(crate) fn walk_segments_for(
+    wanted: usize,
+    nchunks: usize,
+    units: usize,
+    slots: usize,
+) -> (usize, usize) {
+    let n = if wanted == 0 {
+        (slots / units.max(1)).max(1)
+    } else {
+        wanted
+    };
+    let per = nchunks.div_ceil(n.clamp(1, nchunks.max(1)));
+    (per, nchunks.div_ceil(per))
+}
+
+/// Largest `dstate` of the segmented walk: a block holds 128 columns, two blocks a unit's row.
+const SEGMENTED_MAX_DSTATE: usize = 256;
 
 /// Largest `dstate` of the chained stage 2: one block holds a unit's whole state rows (128
 /// columns) in its accumulators.
@@ -147,6 +170,10 @@ impl Gpu {
             .filter(|&g| g <= i32::MAX as usize);
         if let (None, Some(units)) = (seq, self.state_walk_units(&d, &o, T::BF16)) {
             return self.state_walk(inputs, outputs, units);
+        }
+        let has_seq_idx = inputs.seq_idx.is_some();
+        if let (None, Some(plan)) = (seq, self.state_walk_segments(&d, &o, T::BF16, has_seq_idx)) {
+            return self.state_walk_seg(inputs, outputs, plan);
         }
         if let (Some(len), None) = (self.chain_len(&d, &o), seq) {
             return self.state_chained(inputs, outputs, len);
@@ -375,7 +402,7 @@ impl Gpu {
                 && walk_kernel(h, bf16).is_some_and(|k| self.fits(k, dims.dstate))
         };
         match self.config().state_walk {
-            crate::StateWalk::Off => None,
+            crate::StateWalk::Off | crate::StateWalk::Segments(_) => None,
             crate::StateWalk::Units(h) => serves(h).then_some(h),
             crate::StateWalk::Auto if bf16 && self.target() == "sm_90a" => {
                 walk_units_for(units, self.sm_count, serves, |h| {
@@ -384,6 +411,139 @@ impl Gpu {
             }
             crate::StateWalk::Auto => None,
         }
+    }
+
+    /// The segmented walk's plan `(chunks per segment, segments)` where it serves `dims` with
+    /// `options` and [`crate::StateWalk::Segments`] asks for it, else `None`: each unit (head,
+    /// 64 headdim rows, 128 dstate columns) has its chunks cut into segments, each walked by
+    /// its own block (`ssd_state_walk_seg_1`, `ssd_state_walk_seg_bf16_1`), for rows whose units
+    /// alone are too few to fill the device (at (4, 16384, 8) 32 units of 128 chunks). It
+    /// serves in [`crate::Variant::V3`] with `headdim` and `dstate` multiples of 4 (for bf16
+    /// where the bf16 kernels serve, [`Gpu::runs_bf16`]), `dstate <= 256`, no `seq_idx`
+    /// (`seq_idx`: whether the problem has one), the grid within `i32`, and its shared memory fits this device. `Segments(0)` takes as many
+    /// segments as fill the block slots ([`walk_segments_for`] with the driver's count of
+    /// resident blocks). No default takes it yet: it has not been timed against 2a + 2b.
+    pub fn state_walk_segments(
+        &self,
+        dims: &Dims,
+        options: &Options,
+        bf16: bool,
+        seq_idx: bool,
+    ) -> Option<(usize, usize)> {
+        let crate::StateWalk::Segments(wanted) = self.config().state_walk else {
+            return None;
+        };
+        let kernel = if bf16 {
+            Kernel::StateWalkSegBf16x1
+        } else {
+            Kernel::StateWalkSegX1
+        };
+        if self.config().variant != crate::Variant::V3
+            || dims.dstate > SEGMENTED_MAX_DSTATE
+            || !(dims.headdim.is_multiple_of(4) && dims.dstate.is_multiple_of(4))
+            || seq_idx
+            || (bf16 && !self.runs_bf16(dims, options))
+            || !self.fits(kernel, dims.dstate)
+        {
+            return None;
+        }
+        let units = dims.batch
+            * dims.nheads
+            * dims.headdim.div_ceil(TILE_P)
+            * dims.dstate.div_ceil(2 * TILE_N);
+        let nchunks = dims.nchunks(options.chunk_size);
+        let slots = self.resident_blocks(kernel) * self.sm_count;
+        let (per, nseg) = walk_segments_for(wanted, nchunks, units, slots);
+        // Both phases' grids ((units of a row, segments, batch): y and z at most 65,535) and
+        // the combination's (a thread per two state elements) within i32.
+        let elements = dims.batch * dims.nheads * dims.headdim * dims.dstate;
+        (units / dims.batch <= i32::MAX as usize
+            && nseg <= 65_535
+            && dims.batch <= 65_535
+            && elements / 2 <= i32::MAX as usize)
+            .then_some((per, nseg))
+    }
+
+    /// Enqueues the segmented walk with `(chunks per segment, segments)` from
+    /// [`Gpu::state_walk_segments`]: phase 0 (skipped with one segment), the combination,
+    /// phase 1.
+    fn state_walk_seg<T: IoElement>(
+        &self,
+        inputs: &DeviceInputs<T>,
+        outputs: &mut DeviceOutputs<T>,
+        (per, nseg): (usize, usize),
+    ) -> Result<(), GpuError> {
+        let d = inputs.dims;
+        let o = inputs.options;
+        if T::BF16 && outputs.states_lo.is_none() {
+            return Err(GpuError::Internal(
+                "bf16 outputs without the states' bf16 copy".into(),
+            ));
+        }
+        let kernel = if T::BF16 {
+            Kernel::StateWalkSegBf16x1
+        } else {
+            Kernel::StateWalkSegX1
+        };
+        // A row's units (head, 64 headdim rows, 128 dstate columns).
+        let units = d.nheads * d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
+        let keep = !T::BF16 || outputs.keep_chunk_states;
+        for phase in [0, 2, 1] {
+            // 2: the combination between the two phases.
+            if phase != 1 && nseg == 1 {
+                continue;
+            }
+            let mut args = Args::new(&self.stream);
+            let params = StateWalkSegParams {
+                walk: StateChainedParams {
+                    x: args.read(&inputs.x),
+                    b: args.read(&inputs.B),
+                    dt_out: args.read(&outputs.dt),
+                    da_cumsum: args.read(&outputs.dA_cumsum),
+                    initial_states: args.opt(inputs.initial_states.as_ref()),
+                    seq_idx: 0,
+                    chunk_states: args.write(&mut outputs.chunk_states),
+                    final_states: args.write(&mut outputs.final_states),
+                    chain: 0,
+                    sizes: StateSizes::new(&d, &o),
+                    batch: int(d.batch),
+                    states_lo: outputs.states_lo.as_mut().map_or(0, |s| args.write(s)),
+                },
+                seg_chunks: int(per),
+                nseg: int(nseg),
+                phase: phase.min(1),
+                keep: i32::from(keep),
+            };
+            let (k, grid) = match phase {
+                0 => (kernel, (units as u32, (nseg - 1) as u32, d.batch as u32)),
+                1 => (kernel, (units as u32, nseg as u32, d.batch as u32)),
+                _ => {
+                    let threads = Kernel::StateWalkSegCombine.threads() as usize;
+                    let pairs = d.batch * d.nheads * d.headdim * d.dstate / 2;
+                    (
+                        Kernel::StateWalkSegCombine,
+                        (pairs.div_ceil(threads) as u32, 1, 1),
+                    )
+                }
+            };
+            // SAFETY: `StateWalkSegParams` is the struct of the three kernels
+            // (kernels/fwd_pass_state/walk.cu: bf16 x and B in the bf16 kernel, which `T` is
+            // then; `chain` and `seq_idx` unread, `states_lo` unread in f32); every buffer was
+            // checked against the sizes (`check_buffers`); `state_walk_segments` checked what
+            // the kernels ask: headdim and dstate multiples of 4 (bf16: of 8, `check_bf16`),
+            // dstate <= 256 (two 128-column units a row above 128), no seq_idx, the grids within
+            // their limits (`grid`: a row's units, the segments, the batch; or a thread per two
+            // state elements),
+            // the shared memory fits this device; `per` and `nseg` from `walk_segments_for`:
+            // every segment but the last holds `per` chunks and the last at least one, so the
+            // chunk after each of the first `nseg - 1` segments exists in `chunk_states`, which
+            // is always given (the phases' scratch, `nchunks` states a head); `states_lo` has the
+            // length of `chunk_states` (`check_states_lo`) where given. Phase 0 writes only those
+            // chunks' states, the combination only rereads and rewrites them, phase 1 reads each
+            // segment's first and writes its own chunks (and `final_states`, the last segment).
+            unsafe { self.launch(k, grid, d.dstate, &params) }?;
+        }
+        Ok(())
     }
 
     /// Enqueues the walking stage 2 with `units` units per block ([`Gpu::state_walk_units`]).
@@ -455,7 +615,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::walk_units_for;
+    use super::{walk_segments_for, walk_units_for};
 
     #[test]
     fn walk_units_leave_the_fewest_to_a_block_slot() {
@@ -481,5 +641,30 @@ mod tests {
         // Fewer units than SMs: the chunks of a row would run on a few SMs.
         assert_eq!(walk_units_for(32, 132, all, hopper), None);
         assert_eq!(walk_units_for(640, 132, |_| false, hopper), None);
+    }
+
+    #[test]
+    fn walk_segments_fill_the_slots_and_none_is_empty() {
+        // Hopper, three one-unit blocks an SM: (4, 16384, 8) 32 units of 128 chunks; (4, 65536,
+        // 8, dstate 256) 64 units of 512.
+        assert_eq!(walk_segments_for(0, 128, 32, 396), (11, 12));
+        assert_eq!(walk_segments_for(0, 512, 64, 396), (86, 6));
+        // Forced counts; more than the chunks; units that fill the slots alone; one chunk.
+        assert_eq!(walk_segments_for(3, 8, 4, 396), (3, 3));
+        assert_eq!(walk_segments_for(100, 5, 4, 396), (1, 5));
+        assert_eq!(walk_segments_for(0, 64, 1000, 396), (64, 1));
+        assert_eq!(walk_segments_for(0, 1, 4, 396), (1, 1));
+        // Rounding may take fewer segments than asked, never an empty one.
+        assert_eq!(walk_segments_for(6, 10, 4, 396), (2, 5));
+        for nchunks in 1..70 {
+            for wanted in 0..80 {
+                let (per, n) = walk_segments_for(wanted, nchunks, 7, 100);
+                assert!(per >= 1 && n >= 1);
+                assert!(
+                    per * (n - 1) < nchunks && nchunks <= per * n,
+                    "{wanted} of {nchunks}"
+                );
+            }
+        }
     }
 }

@@ -108,12 +108,21 @@ pub enum Kernel {
     StateWalkBf16x2,
     /// [`Kernel::StateWalkX5`] with bf16 `x` and `B`.
     StateWalkBf16x5,
+    /// Stage 2 walked segment by segment (one unit and 128 dstate columns a block): each
+    /// segment's own end state (phase 0), then each segment from its true start state
+    /// (phase 1).
+    StateWalkSegX1,
+    /// [`Kernel::StateWalkSegX1`] with bf16 `x` and `B`.
+    StateWalkSegBf16x1,
+    /// Between the segmented walk's two phases: the segments' start states from their own end
+    /// states, in place.
+    StateWalkSegCombine,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 28] = [
+    pub const ALL: [Kernel; 31] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -142,6 +151,9 @@ impl Kernel {
         Kernel::StateWalkBf16x1,
         Kernel::StateWalkBf16x2,
         Kernel::StateWalkBf16x5,
+        Kernel::StateWalkSegX1,
+        Kernel::StateWalkSegBf16x1,
+        Kernel::StateWalkSegCombine,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -175,6 +187,9 @@ impl Kernel {
             Kernel::StateWalkBf16x1 => "ssd_state_walk_bf16_1",
             Kernel::StateWalkBf16x2 => "ssd_state_walk_bf16_2",
             Kernel::StateWalkBf16x5 => "ssd_state_walk_bf16_5",
+            Kernel::StateWalkSegX1 => "ssd_state_walk_seg_1",
+            Kernel::StateWalkSegBf16x1 => "ssd_state_walk_seg_bf16_1",
+            Kernel::StateWalkSegCombine => "ssd_state_walk_seg_combine",
         }
     }
 
@@ -191,7 +206,9 @@ impl Kernel {
             | Kernel::SeqInitOut
             | Kernel::StatesAt
             | Kernel::StateWalkX1
-            | Kernel::StateWalkBf16x1 => 128,
+            | Kernel::StateWalkBf16x1
+            | Kernel::StateWalkSegX1
+            | Kernel::StateWalkSegBf16x1 => 128,
             Kernel::ChunkCumsumTiled
             | Kernel::ChunkStateLocalWide
             | Kernel::ChunkStateLocalPair
@@ -205,7 +222,8 @@ impl Kernel {
             | Kernel::StateChained
             | Kernel::StateChainedBf16
             | Kernel::StateWalkX2
-            | Kernel::StateWalkBf16x2 => 256,
+            | Kernel::StateWalkBf16x2
+            | Kernel::StateWalkSegCombine => 256,
             Kernel::ComputeOutWgBf16 => 384,
             Kernel::StateWalkX5 | Kernel::StateWalkBf16x5 => 640,
         }
@@ -240,6 +258,9 @@ impl Kernel {
             | Kernel::StateWalkBf16x1
             | Kernel::StateWalkBf16x2
             | Kernel::StateWalkBf16x5 => size_of::<StateChainedParams>(),
+            Kernel::StateWalkSegX1 | Kernel::StateWalkSegBf16x1 | Kernel::StateWalkSegCombine => {
+                size_of::<StateWalkSegParams>()
+            }
             Kernel::ComputeOutWgBf16 => size_of::<ComputeOutWgParams>(),
         }
     }

@@ -254,6 +254,23 @@ pub(crate) struct StateChainedParams {
     pub states_lo: u64,
 }
 
+/// The segmented walk's kernels (`ssd_state_walk_seg_1`, `ssd_state_walk_seg_bf16_1` and
+/// `ssd_state_walk_seg_combine`, `fwd_pass_state/walk.cu`): the walking kernels' struct, with
+/// `chunk_states` always given (the phases' scratch), and the segments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StateWalkSegParams {
+    pub walk: StateChainedParams,
+    /// Chunks per segment (the last segment holds the rest).
+    pub seg_chunks: i32,
+    /// Segments per unit.
+    pub nseg: i32,
+    /// 0: each segment's own end state; 1: the walk from the true start states.
+    pub phase: i32,
+    /// 1: phase 1 writes every chunk's f32 state to `chunk_states`; 0: the bf16 copy alone.
+    pub keep: i32,
+}
+
 // SAFETY: plain `#[repr(C)]` structs of integers and floats, laid out like their C twins (the
 // sizes are asserted below, in the C source and against the loaded module).
 unsafe impl DeviceRepr for ChunkCumsumParams {}
@@ -277,6 +294,8 @@ unsafe impl DeviceRepr for StatesAtParams {}
 unsafe impl DeviceRepr for ConvertParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for StateChainedParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for StateWalkSegParams {}
 // SAFETY: as above; the descriptors are 128-byte opaque words (CUtensorMap), 128-byte aligned
 // in the struct as in the C twin, and the kernel takes the struct as a __grid_constant__.
 unsafe impl DeviceRepr for ComputeOutWgParams {}
@@ -295,5 +314,6 @@ const _: () = {
     assert!(size_of::<StatesAtParams>() == 96);
     assert!(size_of::<ConvertParams>() == 24);
     assert!(size_of::<StateChainedParams>() == 112);
+    assert!(size_of::<StateWalkSegParams>() == 128);
     assert!(size_of::<ComputeOutWgParams>() == 768);
 };

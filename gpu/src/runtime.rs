@@ -77,6 +77,11 @@ pub enum StateWalk {
     /// Always where the kernel with this many units per block (1, 2 or 5) serves the shape,
     /// however few the units: for tests and A/B runs.
     Units(usize),
+    /// The segmented walk ([`Gpu::state_walk_segments`]: each unit's chunks cut into this many
+    /// segments, each walked by its own block, in two phases with a combination between them;
+    /// 0: as many as fill the device's block slots) wherever it serves the shape: for tests
+    /// and A/B runs (not yet timed against the other forms, `docs/gpu.md`).
+    Segments(usize),
 }
 
 impl GpuConfig {
@@ -95,7 +100,8 @@ impl GpuConfig {
     /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`], else
     /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; `SSD_GPU_WG=0` sets [`GpuConfig::no_wg_out`];
     /// `SSD_GPU_WALK=0` sets [`StateWalk::Off`], `SSD_GPU_WALK=auto` [`StateWalk::Auto`],
-    /// `SSD_GPU_WALK=1`, `2` or `5` [`StateWalk::Units`]; device 0.
+    /// `SSD_GPU_WALK=1`, `2` or `5` [`StateWalk::Units`], `SSD_GPU_WALK=seg` `StateWalk::Segments(0)`
+    /// and `SSD_GPU_WALK=seg:N` `StateWalk::Segments(N)`; device 0.
     pub fn from_env() -> Self {
         let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x == v);
         let variant = if on("SSD_GPU_V1", "1") {
@@ -110,7 +116,11 @@ impl GpuConfig {
         let state_walk = match std::env::var("SSD_GPU_WALK").ok().as_deref() {
             Some("0") => StateWalk::Off,
             Some("auto") => StateWalk::Auto,
-            Some(v) => v.parse().map_or(StateWalk::default(), StateWalk::Units),
+            Some("seg") => StateWalk::Segments(0),
+            Some(v) => match v.strip_prefix("seg:") {
+                Some(n) => n.parse().map_or(StateWalk::default(), StateWalk::Segments),
+                None => v.parse().map_or(StateWalk::default(), StateWalk::Units),
+            },
             None => StateWalk::default(),
         };
         GpuConfig {

@@ -215,13 +215,16 @@ fn gpu_bf16_sanitizer_shapes() {
     // group.
     let mut walk = bf16_sanitizer_specs();
     walk.extend(walk_fixed_specs());
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         report_served(
-            &format!("bf16 sanitizer shapes, walking stage 2, {units} units a block"),
-            &walk_gpu("gpu_bf16_sanitizer_shapes", units),
+            &format!(
+                "bf16 sanitizer shapes, walking stage 2, {}",
+                walk_label(form)
+            ),
+            &walk_gpu("gpu_bf16_sanitizer_shapes", form),
             &walk,
             Io::Bf16,
-            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, true) == Some(units),
+            |gpu, s| walk_serves(gpu, s, form, true),
         );
     }
     // The chained stage 2 on the shapes it serves, with the walking stage 2 off (the default
@@ -261,9 +264,9 @@ fn gpu_bf16_outputs_are_fully_written() {
     // The walking stage 2, also on shapes every form serves.
     let mut walk = bf16_sanitizer_specs();
     walk.extend(walk_fixed_specs());
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         assert_fully_written(
-            &walk_gpu("gpu_bf16_outputs_are_fully_written", units),
+            &walk_gpu("gpu_bf16_outputs_are_fully_written", form),
             &walk,
             Io::Bf16,
         );
@@ -283,13 +286,15 @@ fn gpu_bf16_is_bitwise_reproducible() {
     let mut wg = ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256);
     wg.seq_idx = SeqIdx::None;
     specs.push(wg);
-    // Ten units a group: every walking form serves it.
+    // Ten units a group: every walking form but the segmented walk serves it; then the
+    // segmented walk's shapes (no seq_idx), dstate 256 among them.
     specs.push(ProblemSpec::full(Dims::new(2, 600, 10, 64, 1, 128), 256));
+    specs.extend(walk_fixed_specs().into_iter().skip(1).map(|(s, _)| s));
     let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(600..).collect();
     assert_reproducible(&gpus, &specs, Io::Bf16);
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         assert_reproducible(
-            &walk_gpu("gpu_bf16_is_bitwise_reproducible", units),
+            &walk_gpu("gpu_bf16_is_bitwise_reproducible", form),
             &specs,
             Io::Bf16,
         );
@@ -310,9 +315,11 @@ fn gpu_bf16_lean_outputs_match_kept() {
     specs.push(ProblemSpec::full(Dims::new(1, 700, 4, 64, 1, 256), 128));
     specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
     specs.push(ProblemSpec::full(Dims::new(2, 600, 10, 64, 1, 128), 256));
+    // The segmented walk's shapes (no seq_idx), dstate 256 among them.
+    specs.extend(walk_fixed_specs().into_iter().skip(1).map(|(s, _)| s));
     let mut gpus = gpus;
-    for units in [1usize, 2, 5] {
-        gpus.extend(walk_gpu("gpu_bf16_lean_outputs_match_kept", units));
+    for form in WALK_FORMS {
+        gpus.extend(walk_gpu("gpu_bf16_lean_outputs_match_kept", form));
     }
     let mut staged = 0;
     for (spec, seed) in specs.iter().zip(700..) {
@@ -323,6 +330,14 @@ fn gpu_bf16_lean_outputs_match_kept() {
                 && !gpu.uses_chained(&spec.dims, &spec.options)
                 && gpu
                     .state_walk_units(&spec.dims, &spec.options, true)
+                    .is_none()
+                && gpu
+                    .state_walk_segments(
+                        &spec.dims,
+                        &spec.options,
+                        true,
+                        spec.seq_idx != SeqIdx::None,
+                    )
                     .is_none()
             {
                 staged += 1;

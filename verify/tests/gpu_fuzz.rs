@@ -102,13 +102,13 @@ fn gpu_sanitizer_shapes() {
     // group.
     let mut walk = specs;
     walk.extend(walk_fixed_specs());
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         report_served(
-            &format!("sanitizer shapes, walking stage 2, {units} units a block"),
-            &walk_gpu("gpu_sanitizer_shapes", units),
+            &format!("sanitizer shapes, walking stage 2, {}", walk_label(form)),
+            &walk_gpu("gpu_sanitizer_shapes", form),
             &walk,
             Io::F32,
-            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, false) == Some(units),
+            |gpu, s| walk_serves(gpu, s, form, false),
         );
     }
 }
@@ -142,9 +142,9 @@ fn gpu_outputs_are_fully_written() {
     assert_fully_written(&gpus, &sanitizer_specs(), Io::F32);
     let mut walk = sanitizer_specs();
     walk.extend(walk_fixed_specs());
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         assert_fully_written(
-            &walk_gpu("gpu_outputs_are_fully_written", units),
+            &walk_gpu("gpu_outputs_are_fully_written", form),
             &walk,
             Io::F32,
         );
@@ -159,13 +159,15 @@ fn gpu_is_bitwise_reproducible() {
     let mut rng = SpecRng::new(77);
     let mut specs: Vec<ProblemSpec> = (0..6).map(|_| random_spec(&mut rng, 4_000_000)).collect();
     specs.push(ProblemSpec::full(Dims::new(2, 1000, 8, 64, 2, 128), 256));
-    // Ten units a group: every walking form serves it.
+    // Ten units a group: every walking form but the segmented walk serves it; then the
+    // segmented walk's shapes (no seq_idx), dstate 256 among them.
     specs.push(ProblemSpec::full(Dims::new(2, 600, 10, 64, 1, 128), 256));
+    specs.extend(walk_fixed_specs().into_iter().skip(1).map(|(s, _)| s));
     let specs: Vec<(ProblemSpec, u64)> = specs.into_iter().zip(500..).collect();
     assert_reproducible(&gpus, &specs, Io::F32);
-    for units in [1usize, 2, 5] {
+    for form in WALK_FORMS {
         assert_reproducible(
-            &walk_gpu("gpu_is_bitwise_reproducible", units),
+            &walk_gpu("gpu_is_bitwise_reproducible", form),
             &specs,
             Io::F32,
         );

@@ -124,6 +124,41 @@ WALK_CHECK(float, 5, 1, "one block of five units per Hopper SM");
 // The parameters: the chained kernels' struct (chained.cu, StateChainedParamsT<X>); `chain`
 // is not read, nor `states_lo` in f32.
 
+// The segmented walk (ssd_state_walk_seg_1 and ssd_state_walk_seg_bf16_1, SEG): for rows whose
+// units are too few to fill the device (batch x nheads x headdim / 64 x dstate / 128 of them,
+// each a block of one unit as above, its 128 dstate columns n0 = 128 nt .. of the state), each
+// unit's chunks are cut into nseg segments of seg_chunks (the last may be shorter), every
+// segment walked by its own block (grid (units x ntiles, segments, batch)), in three launches:
+//   phase 0: segment k < nseg - 1 walked from zero, nothing written per chunk, its end state
+//            E_k = sum over its chunks c of (prod over its later chunks c' of scale_c') L_c
+//            written to chunk_states at the chunk after it, (k + 1) seg_chunks;
+//   ssd_state_walk_seg_combine: per state element, S = S_0, then for k = 0 .. nseg - 2:
+//            S = (prod over segment k's chunks of scale_c) S + E_k, written over E_k (chunk
+//            (k + 1) seg_chunks now holds its true S_c);
+//   phase 1: segment k walked from S at its first chunk (S_0 for k = 0), as the walk above: every
+//            chunk's S_c (chunk_states where `keep`, the bf16 copy in bf16), final_states by
+//            the last segment.
+// chunk_states is the scratch of phase 0 and of the combination even where the outputs do not
+// keep it (the pass 2b does the same). No seq_idx (the host keeps such rows off it), so scale_c =
+// exp(cs[last]) for every chunk. The bits differ from the one-block walk's by the order of the
+// f32 sums at the segment boundaries (one more addition there) and by the product of the
+// segment's scales taken before it meets the state.
+struct StateWalkSegFields {
+    int seg_chunks;  // chunks per segment
+    int nseg;        // segments per unit (the last holds the remaining chunks)
+    int phase;       // 0 or 1 (the walking kernels); the combination reads neither
+    int keep;        // phase 1 writes chunk_states for every chunk (else only the bf16 copy)
+};
+template <typename X>
+struct StateWalkSegParamsT {
+    StateChainedParamsT<X> c;  // chunk_states is never null here (the scratch)
+    StateWalkSegFields sg;
+};
+typedef StateWalkSegParamsT<float> StateWalkSegParams;
+typedef StateWalkSegParamsT<bf16_t> StateWalkSegBf16Params;
+static_assert(sizeof(StateWalkSegParams) == 128 && sizeof(StateWalkSegBf16Params) == 128,
+              "StateWalkSegParams: the Rust struct has 128 bytes");
+
 // Row p (within the unit's 64) of accumulator element acc[i][nf][2 hf + e] of warp w of the
 // warpgroup, lane (g, q): with WG rows 16 w + g + 8 hf; else warp w holds rows 32 ((w / 2) % 2)
 // and columns 64 (w % 2), bf16 in the standard fragment order, f32 in 2a's (state_kstep).
@@ -196,8 +231,11 @@ __device__ __forceinline__ void walk_products_wg(float (&acc)[2][8][4], unsigned
 #endif
 }
 
-template <typename X, int HB>
-__device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p) {
+// SEG: the segmented walk's phase sg.phase (HB = 1); without, sg is not read.
+template <typename X, int HB, bool SEG = false>
+__device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p,
+                                                const StateWalkSegFields sg = StateWalkSegFields{}) {
+    static_assert(!SEG || HB == 1, "the segmented walk: one unit a block");
     SSD_DYNAMIC_SMEM(smem_raw);
     typedef StateWalkSmem<X, HB> Smem;
     constexpr bool BF16 = sizeof(X) == 2;
@@ -213,27 +251,48 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int j = warp >> 2, w4 = warp & 3, wm = (warp >> 1) & 1, wn = warp & 1;
     const int ptiles = (p.headdim + 63) / 64;
-    const int nub = p.nheads * ptiles / HB;  // blocks per batch row
-    const int b = blockIdx.x / nub, ub = blockIdx.x % nub;
-    const int unit = ub * HB + j;
+    const int Q = p.chunk_size, nc = p.nchunks;
+    // The block's unit and its part of the row: without SEG, units ub HB .. of batch b, every
+    // chunk, all of dstate (at most 128); with SEG, block (x, y, z) = (ub ntiles + nt, segment
+    // k, batch b), ub = h ptiles + p tile (a segment's units side by side: they share B), dstate
+    // columns n0 = 128 nt .., chunks c0 .. c1 - 1 of segment k. The unit is ub HB + j in both
+    // (j = 0 here): written as ub alone, ptxas 12.9 serialises the bf16 kernel's wgmma (its
+    // "Potential Performance Loss" note).
+    int b, unit, grp, n0 = 0, c0 = 0, c1 = nc, seg = 0;
+    if constexpr (SEG) {
+        const int wide = p.dstate > 128;  // two 128-column units a row
+        b = blockIdx.z;
+        seg = blockIdx.y;
+        n0 = wide ? 128 * (blockIdx.x & 1) : 0;
+        const int ub = blockIdx.x >> wide;
+        unit = ub * HB + j;
+        grp = (ub * HB / ptiles) / (p.nheads / p.ngroups);
+        c0 = seg * sg.seg_chunks;
+        c1 = min(nc, c0 + sg.seg_chunks);
+    } else {
+        const int nub = p.nheads * ptiles / HB;  // blocks per batch row
+        b = blockIdx.x / nub;
+        const int ub = blockIdx.x % nub;
+        unit = ub * HB + j;
+        grp = (ub * HB / ptiles) / (p.nheads / p.ngroups);
+    }
     const int h = unit / ptiles, p0 = (unit % ptiles) * 64;
-    const int grp = (ub * HB / ptiles) / (p.nheads / p.ngroups);
-    const int rows_p = min(64, p.headdim - p0), cols_n = min(128, p.dstate);
+    const int rows_p = min(64, p.headdim - p0), cols_n = min(128, p.dstate - n0);
     const i64 bh = (i64)b * p.nheads + h;
     const i64 n_state = (i64)p.headdim * p.dstate;
-    const int Q = p.chunk_size, nc = p.nchunks;
     const unsigned tok_x = (unsigned)(p.nheads * p.headdim), tok_b = (unsigned)(p.ngroups * p.dstate);
     const float* cs_u = p.dA_cumsum + bh * nc * Q;
     if (tl == 0) {
         sm.base[j][0] = p.x + (i64)b * p.seqlen * tok_x + (i64)h * p.headdim + p0;
-        sm.base[j][1] = p.Bm + (i64)b * p.seqlen * tok_b + (i64)grp * p.dstate;
+        sm.base[j][1] = p.Bm + (i64)b * p.seqlen * tok_b + (i64)grp * p.dstate + n0;
         sm.base[j][2] = cs_u;
         sm.base[j][3] = p.dt_out + bh * nc * Q;
     }
     const int* seq_row = p.seq_idx != nullptr ? p.seq_idx + (i64)b * p.seqlen : nullptr;
     const int nsq = (Q + TK - 1) / TK;  // stages of a whole chunk
     const int len_last = p.seqlen - (nc - 1) * Q;
-    const int total = (nc - 1) * nsq + (len_last + TK - 1) / TK;
+    // Stages of chunks c0 .. c1 - 1 (the row's last chunk may be short).
+    const int total = (c1 - 1 - c0) * nsq + (c1 == nc ? (len_last + TK - 1) / TK : nsq);
 
     auto issue = [&](int s) {
         typename Smem::Stage& st = sm.stage[s % Smem::NST];
@@ -242,7 +301,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         const X* b_g = static_cast<const X*>(sm.base[j][1]);
         const float* cs_b = static_cast<const float*>(sm.base[j][2]);
         const float* dt_u = static_cast<const float*>(sm.base[j][3]);
-        const int c = s / nsq, k0 = (s % nsq) * TK;
+        const int c = c0 + s / nsq, k0 = (s % nsq) * TK;
         const int t = c * Q + k0;  // the stage's first token in the row
         const int rows_t = min(TK, min(Q, p.seqlen - c * Q) - k0);
         // x is read once: L2 priority evict_first (chained.cu says why); B keeps the normal
@@ -282,9 +341,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
         if (seq_row != nullptr && j == 0 && tl < TK) cp_async4(&st.seq[l], seq_row + t + l, ok, p.seq_idx);
     };
 
-    // The state of this thread's part of its unit: S_0.
+    // The state of this thread's part of its unit: S_0 (SEG: zero in phase 0; in phase 1 S_0
+    // for the first segment, else the combination's S_c0 in chunk_states).
     float acc[2][8][4];
     const float* init = p.initial_states != nullptr ? p.initial_states + bh * n_state : nullptr;
+    if (SEG && sg.phase == 0) init = nullptr;
+    if (SEG && sg.phase == 1 && seg > 0) init = p.chunk_states + (((i64)b * nc + c0) * p.nheads + h) * n_state;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -295,15 +357,15 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                 const int ncol = walk_col<X>(w4, q, mi, nf);
                 float2 v = make_float2(0.0f, 0.0f);
                 if (init != nullptr && pr < rows_p && ncol < cols_n)
-                    v = *reinterpret_cast<const float2*>(init + (i64)(p0 + pr) * p.dstate + ncol);
+                    v = *reinterpret_cast<const float2*>(init + (i64)(p0 + pr) * p.dstate + n0 + ncol);
                 acc[mi][nf][2 * hf] = v.x;
                 acc[mi][nf][2 * hf + 1] = v.y;
             }
         }
     // Chunk c's last token and the seq_idx values its scale compares, loaded one chunk ahead.
     auto chunk_last = [&](int c) { return min(Q, p.seqlen - c * Q) - 1; };
-    float cs_next = cs_u[chunk_last(0)];
-    int seq_next = seq_row != nullptr ? seq_row[chunk_last(0)] : 0, seq_prev_next = 0;
+    float cs_next = cs_u[(i64)c0 * Q + chunk_last(c0)];
+    int seq_next = seq_row != nullptr ? seq_row[c0 * Q + chunk_last(c0)] : 0, seq_prev_next = 0;
 
     // bf16: ldmatrix.trans rows of this lane for the A fragments: token kk + 8 ((lane >> 4) & 1)
     // + (lane & 7), column (p) wm 32 + 16 mi + 8 ((lane >> 3) & 1) of the unit's tile (with WG
@@ -326,14 +388,14 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
     }
     cp_async_commit();
     int s = 0;  // the stage, counted across chunks
-    for (int c = 0; c < nc; ++c) {
+    for (int c = c0; c < c1; ++c) {
         {
             // Chunk c begins: S_c goes out, then the state decays over the chunk.
             walk_products_done<WG>(acc);
             const float cs_last = cs_next;
             seq_last = seq_next;
             const int seq_prev = seq_prev_next;
-            if (c + 1 < nc) {
+            if (c + 1 < c1) {
                 const int last_n = chunk_last(c + 1);
                 cs_next = cs_u[(i64)(c + 1) * Q + last_n];
                 if (seq_row != nullptr) {
@@ -348,19 +410,22 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             const i64 at_c = (((i64)b * nc + c) * p.nheads + h) * n_state;
             bf16_t* lo = BF16 ? p.states_lo + at_c : nullptr;
             float* st32 = p.chunk_states != nullptr ? p.chunk_states + at_c : nullptr;
+            // SEG phase 0 writes nothing per chunk; phase 1 the f32 states where `keep`.
+            const bool out_c = !(SEG && sg.phase == 0);
+            if (SEG && !(out_c && sg.keep)) st32 = nullptr;
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int pr = walk_row<X>(wf, gf, mi, hf);
                     if (pr >= rows_p) continue;
-                    const i64 row = (i64)(p0 + pr) * p.dstate;
+                    const i64 row = (i64)(p0 + pr) * p.dstate + n0;
 #pragma unroll
                     for (int nf = 0; nf < 8; ++nf) {
                         const int ncol = walk_col<X>(wf, qf, mi, nf);
                         if (ncol >= cols_n) continue;
                         const float v0 = acc[mi][nf][2 * hf], v1 = acc[mi][nf][2 * hf + 1];
-                        if (BF16) *reinterpret_cast<unsigned*>(lo + row + ncol) = pack_bf16x2(v0, v1);
+                        if (BF16 && out_c) *reinterpret_cast<unsigned*>(lo + row + ncol) = pack_bf16x2(v0, v1);
                         if (st32 != nullptr) *reinterpret_cast<float2*>(st32 + row + ncol) = make_float2(v0, v1);
                     }
                 }
@@ -373,7 +438,7 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
                     for (int e = 0; e < 4; ++e) acc[mi][nf][e] *= scale;
             csl_last = cs_last * LOG2E_F;
         }
-        const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;
+        const int nst_c = c + 1 < nc ? nsq : (len_last + TK - 1) / TK;  // (c1 <= nc)
         for (int k = 0; k < nst_c; ++k, ++s) {
             cp_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed (three slots: s + 1's may fly)
             if constexpr (!Smem::PIPE) walk_products_done<WG>(acc);  // stage s - 1's products have read their slot
@@ -434,9 +499,12 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
             }
         }
     }
-    // S_nchunks.
+    // S_nchunks (SEG: phase 0 its segment's end state E into the next chunk's chunk_states;
+    // phase 1 the last segment's alone).
     walk_products_done<WG>(acc);
     float* fin = p.final_states + bh * n_state;
+    if (SEG && sg.phase == 0) fin = p.chunk_states + (((i64)b * nc + c1) * p.nheads + h) * n_state;
+    const bool fin_out = !(SEG && sg.phase == 1 && c1 < nc);
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -446,8 +514,8 @@ __device__ __forceinline__ void state_walk_body(const StateChainedParamsT<X>& p)
 #pragma unroll
             for (int nf = 0; nf < 8; ++nf) {
                 const int ncol = walk_col<X>(w4, q, mi, nf);
-                if (ncol < cols_n)
-                    *reinterpret_cast<float2*>(fin + (i64)(p0 + pr) * p.dstate + ncol) =
+                if (ncol < cols_n && fin_out)
+                    *reinterpret_cast<float2*>(fin + (i64)(p0 + pr) * p.dstate + n0 + ncol) =
                         make_float2(acc[mi][nf][2 * hf], acc[mi][nf][2 * hf + 1]);
             }
         }
@@ -465,3 +533,40 @@ extern "C" __global__ void __launch_bounds__(256, 2) ssd_state_walk_bf16_2(const
 SSD_LAYOUT_FIXED(ssd_state_walk_bf16_2, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 2>::value));
 extern "C" __global__ void __launch_bounds__(640, 1) ssd_state_walk_bf16_5(const StateChainedBf16Params p) { state_walk_body<bf16_t, 5>(p); }
 SSD_LAYOUT_FIXED(ssd_state_walk_bf16_5, StateChainedBf16Params, (WalkSmemBytes<bf16_t, 5>::value));
+
+// The segmented walk (above): its two phases, and the combination between them.
+extern "C" __global__ void __launch_bounds__(128, 2) ssd_state_walk_seg_1(const StateWalkSegParams p) {
+    state_walk_body<float, 1, true>(p.c, p.sg);
+}
+SSD_LAYOUT_FIXED(ssd_state_walk_seg_1, StateWalkSegParams, (WalkSmemBytes<float, 1>::value));
+extern "C" __global__ void __launch_bounds__(128, WALK_MINB1) ssd_state_walk_seg_bf16_1(const StateWalkSegBf16Params p) {
+    state_walk_body<bf16_t, 1, true>(p.c, p.sg);
+}
+SSD_LAYOUT_FIXED(ssd_state_walk_seg_bf16_1, StateWalkSegBf16Params, (WalkSmemBytes<bf16_t, 1>::value));
+
+// One thread per pair of neighbouring state elements (dstate is even) of (b, h): S = S_0 (or
+// 0), then segment by segment S = (prod_c scale_c) S + E_k, each written over E_k at the chunk
+// after segment k. The scales are those the walk applies, exp(cs[last]) per chunk, multiplied
+// in chunk order (f32) before they meet the state. Blocks of 256 threads.
+extern "C" __global__ void __launch_bounds__(256) ssd_state_walk_seg_combine(const StateWalkSegParams p) {
+    const StateChainedParams& c = p.c;
+    const i64 n_state = (i64)c.headdim * c.dstate;
+    const i64 i = 2 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= (i64)c.batch * c.nheads * n_state) return;
+    const i64 bh = i / n_state, e = i - bh * n_state;
+    const int b = (int)(bh / c.nheads), h = (int)(bh - (i64)b * c.nheads);
+    const int Q = c.chunk_size, nc = c.nchunks;
+    const float* cs_u = c.dA_cumsum + bh * nc * Q;
+    float2 st = make_float2(0.0f, 0.0f);
+    if (c.initial_states != nullptr) st = *reinterpret_cast<const float2*>(c.initial_states + bh * n_state + e);
+    for (int k = 0; k + 1 < p.sg.nseg; ++k) {
+        const int cb = k * p.sg.seg_chunks, ce = cb + p.sg.seg_chunks;  // ce < nc: not the last segment
+        float d = 1.0f;
+        for (int ch = cb; ch < ce; ++ch) d *= expf(cs_u[(i64)ch * Q + min(Q, c.seqlen - ch * Q) - 1]);
+        float2* slot = reinterpret_cast<float2*>(c.chunk_states + (((i64)b * nc + ce) * c.nheads + h) * n_state + e);
+        const float2 ek = *slot;
+        st = make_float2(fmaf(d, st.x, ek.x), fmaf(d, st.y, ek.y));
+        *slot = st;
+    }
+}
+SSD_LAYOUT_FIXED(ssd_state_walk_seg_combine, StateWalkSegParams, 0);

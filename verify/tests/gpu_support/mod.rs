@@ -99,83 +99,133 @@ pub fn chained_gpu(test: &str) -> Vec<(Variant, Arc<Gpu>)> {
     }
 }
 
-/// The default variant with the walking stage 2 forced to `units` units per block
-/// (`StateWalk::Units`) wherever that kernel serves the shape, however few its units.
-pub fn walk_gpu(test: &str, units: usize) -> Vec<(Variant, Arc<Gpu>)> {
+/// The forms of the walking stage 2 that the tests force, each wherever it serves the shape
+/// however few its units: 1, 2 and 5 units a block (`StateWalk::Units`), and the segmented walk
+/// with as many segments as fill the device and with 3 segments (`StateWalk::Segments`).
+pub const WALK_FORMS: [StateWalk; 5] = [
+    StateWalk::Units(1),
+    StateWalk::Units(2),
+    StateWalk::Units(5),
+    StateWalk::Segments(0),
+    StateWalk::Segments(3),
+];
+
+/// A walking form's name in the reports.
+pub fn walk_label(form: StateWalk) -> String {
+    match form {
+        StateWalk::Units(h) => format!("{h} units a block"),
+        StateWalk::Segments(0) => "segmented, the device's segments".to_string(),
+        StateWalk::Segments(n) => format!("segmented, {n} segments"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Whether `form` (the configuration of `gpu`) serves `spec` with activations in bf16 or not.
+pub fn walk_serves(gpu: &Gpu, spec: &ProblemSpec, form: StateWalk, bf16: bool) -> bool {
+    let (d, o) = (&spec.dims, &spec.options);
+    match form {
+        StateWalk::Units(h) => gpu.state_walk_units(d, o, bf16) == Some(h),
+        StateWalk::Segments(_) => gpu
+            .state_walk_segments(d, o, bf16, spec.seq_idx != SeqIdx::None)
+            .is_some(),
+        _ => false,
+    }
+}
+
+/// The default variant with the walking stage 2 forced to `form` (one of [`WALK_FORMS`]).
+pub fn walk_gpu(test: &str, form: StateWalk) -> Vec<(Variant, Arc<Gpu>)> {
     let config = GpuConfig {
-        state_walk: StateWalk::Units(units),
+        state_walk: form,
         ..variant_config(Variant::V3)
     };
     match ssd_gpu::gpu_for(config) {
         Ok(g) => vec![(Variant::V3, g)],
         Err(e) => {
-            panic!("{test}: the GPU could not be set up with the walking stage 2 ({units} units a block): {e}")
+            panic!(
+                "{test}: the GPU could not be set up with the walking stage 2 ({}): {e}",
+                walk_label(form)
+            )
         }
     }
 }
 
-/// A shape the walking stage 2 with `units` units per block serves when forced
-/// (`StateWalk::Units`): a pair kernel shape (`random_pair_spec`, every option) with `headdim`
-/// and `dstate` multiples of `multiple` (8 for the bf16 kernels), dstate at most 128, and for
-/// five units a block ten units per group (5 heads of 65 to 128 rows or 10 of at most 64).
-pub fn walk_spec(rng: &mut SpecRng, units: usize, multiple: usize) -> ProblemSpec {
+/// A shape the walking stage 2 in `form` serves when forced: a pair kernel shape
+/// (`random_pair_spec`, every option) with `headdim` and `dstate` multiples of `multiple` (8
+/// for the bf16 kernels), dstate at most 128 (the segmented walk: at most 256, and no
+/// `seq_idx`), and for five units a block ten units per group (5 heads of 65 to 128 rows or 10
+/// of at most 64).
+pub fn walk_spec(rng: &mut SpecRng, form: StateWalk, multiple: usize) -> ProblemSpec {
     let mut spec = random_pair_spec(rng, 4_000_000);
+    let segmented = matches!(form, StateWalk::Segments(_));
     let d = &mut spec.dims;
     d.headdim = d.headdim.next_multiple_of(multiple);
-    d.dstate = d.dstate.next_multiple_of(multiple).min(128);
-    if units == 5 {
+    d.dstate = d
+        .dstate
+        .next_multiple_of(multiple)
+        .min(if segmented { 256 } else { 128 });
+    if form == StateWalk::Units(5) {
         d.nheads = d.ngroups * 10 / d.headdim.div_ceil(64);
         let per_token = d.batch * d.nheads * d.headdim * d.dstate;
         d.seqlen = d.seqlen.min((4_000_000 / per_token).max(65));
     }
+    if segmented {
+        spec.seq_idx = SeqIdx::None;
+    }
     spec
 }
 
-/// The walking stage 2 forced in each of its forms (1, 2 and 5 units a block), activations in
-/// `io`: `SSD_GPU_WALK_CASES` (default 700) [`walk_spec`] cases each against the float64
-/// reference (fails if a drawn shape misses the form), then `fixed` (the sanitizer shapes and
-/// more), each form on those it serves.
+/// The walking stage 2 forced in each of its forms ([`WALK_FORMS`]), activations in `io`:
+/// `SSD_GPU_WALK_CASES` (default 700) [`walk_spec`] cases each against the float64 reference
+/// (fails if a drawn shape misses the form), then `fixed` (the sanitizer shapes and more), each
+/// form on those it serves.
 pub fn check_walk(test: &str, io: Io, salt: u64, seed0: u64, fixed: &[(ProblemSpec, u64)]) {
     let bf16 = io == Io::Bf16;
     let tag = if bf16 { "bf16 " } else { "" };
-    for (k, units) in [1usize, 2, 5].into_iter().enumerate() {
-        let gpus = walk_gpu(test, units);
+    for (k, form) in WALK_FORMS.into_iter().enumerate() {
+        let gpus = walk_gpu(test, form);
+        let name = walk_label(form);
         let specs = draw_specs(
             env_usize("SSD_GPU_WALK_CASES", 700),
             salt + k as u64 * 0x1000,
             seed0 + k as u64 * 100_000,
-            |rng| walk_spec(rng, units, if bf16 { 8 } else { 4 }),
+            |rng| walk_spec(rng, form, if bf16 { 8 } else { 4 }),
         );
-        let label = format!("{tag}walking stage 2 shapes, {units} units a block");
+        let label = format!("{tag}walking stage 2 shapes, {name}");
         println!("{label}: {}", coverage(&specs));
         run_served_cases(&label, &gpus, &specs, io, "walking stage 2", |gpu, s| {
-            gpu.state_walk_units(&s.dims, &s.options, bf16) == Some(units)
+            walk_serves(gpu, s, form, bf16)
         });
         let served = report_served(
-            &format!("{tag}walking stage 2 fixed shapes, {units} units a block"),
+            &format!("{tag}walking stage 2 fixed shapes, {name}"),
             &gpus,
             fixed,
             io,
-            |gpu, s| gpu.state_walk_units(&s.dims, &s.options, bf16) == Some(units),
+            |gpu, s| walk_serves(gpu, s, form, bf16),
         );
         println!(
-            "{tag}walking stage 2 fixed shapes: {served} of {} served by {units} units a block",
+            "{tag}walking stage 2 fixed shapes: {served} of {} served ({name})",
             fixed.len()
         );
     }
 }
 
-/// Shapes every form of the walking stage 2 serves (ten units a group; f32 and bf16): every
-/// option, then two row tiles a head with a ragged last one, dstate 80, without seq_idx.
+/// Shapes of the walking stage 2 (f32 and bf16): ten units a group, which every form of
+/// [`WALK_FORMS`] but the segmented walk serves, with every option; then two row tiles a head
+/// with a ragged last one, dstate 80, without seq_idx (every form); then four units of 128
+/// dstate columns walking 8 chunks (2 heads, dstate 256, without seq_idx: the segmented walk
+/// alone).
 pub fn walk_fixed_specs() -> Vec<(ProblemSpec, u64)> {
     let mut tiles = ProblemSpec::full(Dims::new(2, 260, 10, 72, 2, 80), 128);
     tiles.seq_idx = SeqIdx::None;
+    let mut wide = ProblemSpec::full(Dims::new(1, 1000, 2, 64, 1, 256), 128);
+    wide.seq_idx = SeqIdx::None;
     vec![
         (
             ProblemSpec::full(Dims::new(1, 300, 10, 64, 1, 72), 128),
             330,
         ),
         (tiles, 331),
+        (wide, 332),
     ]
 }
 
