@@ -18,7 +18,8 @@
 # A second build (-DSSD_EMU_SM90) takes the kernels' sm_90a paths, emu.h emulating TMA copies,
 # mbarriers and wgmma as the hardware lays out their operands, on the cases below its list:
 # the walking stage 2's warpgroup-product form against pair 2a and the pass as above, and the
-# Hopper output kernel (ssd_compute_out_wg_bf16, 3 persistent blocks) against the pair kernel's
+# Hopper output kernel (ssd_compute_out_wg_bf16, or _n256 at dstate 256; 3 persistent blocks)
+# against the pair kernel's
 # bf16 out within 1e-2 of the largest magnitude (2.5 bf16 units: the two compute the scores in
 # different f32 orders, so a rounding may land one unit apart). A causal mask shifted by one
 # column or the carried state's decay halved (in log2) exceed it 22x and 18x, the walker's
@@ -96,13 +97,15 @@ run_cases() {
 1 400 2 64 1 256 128 34 32
 CASES
 # sm_90a paths: the Hopper output kernel (T = 1 to 4 token tiles, the two-pass form, batch 2 and
-# two groups, every option but seq_idx, which it does not serve) and the walking stage 2's
-# warpgroup products (1, 2 and 5 units a block, and the segmented walk, dstate 256 in the last).
+# two groups, every option but seq_idx, which it does not serve; dstate 256 on
+# ssd_compute_out_wg_bf16_n256 in the last two) and the walking stage 2's warpgroup products (1, 2
+# and 5 units a block, and the segmented walk, dstate 256 in the last two).
 run_cases "$work/emu90" "sm_90a: " <<'CASES'
 1 300 2 64 1 128 128 62 26
 1 300 2 64 1 128 256 14 27
 2 200 4 64 2 128 128 16 28
 1 140 10 64 1 80 128 34 30
 1 400 2 64 1 256 128 2 33
+2 300 4 64 2 256 128 62 34
 CASES
 [ $fail = 0 ] && echo "emulation: all cases pass" || { echo "emulation: FAILURES"; exit 1; }

@@ -9,8 +9,9 @@
 # NVRTC 12.9 does not always give one source the same text (docs/gpu.md, "NVRTC's PTX"), so
 # each build is compiled N times (default 3) and a kernel counts as the same where some
 # compilation of A equals some compilation of B. Compared: each .entry's body with its virtual
-# registers and labels renumbered in order of first use, the register declarations' counts and
-# the used_bytes_mask pragmas left out (the names and counts move with unrelated code).
+# registers and labels renumbered in order of first use, the register declarations' counts,
+# the used_bytes_mask pragmas and the dynamic shared memory symbol's numeric suffix left out (the
+# names and counts move with unrelated code).
 # Exit status 0 whether or not kernels differ (the report says which); 1 on a failed build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,9 @@ work, n = sys.argv[1], int(sys.argv[2])
 ENTRY = re.compile(r'^\.(?:visible |weak )*\.entry (\w+)\(', re.M)
 REG = re.compile(r'%(r|rd|rs|f|fd|p|h|hh|b)(\d+)\b')
 LABEL = re.compile(r'\$L__\w+')
+# The dynamic shared memory's symbol (`smem_raw$11`): NVRTC numbers each function's extern
+# declaration in order, so the suffix moves when kernels are added before it.
+SHARED = re.compile(r'\b([A-Za-z_]\w*)\$\d+\b')
 
 def kernels(path):
     text = open(path).read()
@@ -52,6 +56,7 @@ def kernels(path):
             line = re.sub(r'<\d+>', '<N>', line) if line.lstrip().startswith('.reg') else line
             line = REG.sub(lambda m: '%' + m.group(1) + str(regs.setdefault(m.group(0), len(regs))), line)
             line = LABEL.sub(lambda m: 'L' + str(labels.setdefault(m.group(0), len(labels))), line)
+            line = SHARED.sub(r'\1$N', line)
             lines.append(line)
         out[name] = '\n'.join(lines)
     return out

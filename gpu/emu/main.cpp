@@ -392,13 +392,14 @@ int main(int argc, char** argv) {
             ssd_compute_out_pair_bf16({xh.data(), ch.data(), Dv.data(), zhp, dto.data(), dac.data(), loH.data(), seqp, cbufH.data(), outh.data(), L, H, P, G, N, Q, nc, (opts & 8) ? 1 : 0, initp ? 1 : 0, tmax, 1}); });
         launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outh.data(), outH.data(), (long long)nx}); });
 #ifdef SSD_EMU_SM90
-        // The Hopper output kernel, where the host runs it (headdim 64, dstate 128, chunks of 128
-        // or 256, no seq_idx, pairs of heads within a group), on 3 persistent blocks: the pair
+        // The Hopper output kernel, where the host runs it (headdim 64, dstate 128 with chunks of
+        // 128 or 256, or dstate 256 with chunks of 128 on ssd_compute_out_wg_bf16_n256, no seq_idx,
+        // pairs of heads within a group), on 3 persistent blocks: the pair
         // kernel's operands and rounding points, its own scores (f32 sums in another order), so a
         // bf16 rounding of a decayed score or of out may land one unit (2^-8) apart: within 1e-2
         // of the largest magnitude (2.5 such units), where a wrong tile, decay or mask errs by the
         // size of out itself.
-        if (P == 64 && N == 128 && (Q == 128 || Q == 256) && !seqp && (H / G) % 2 == 0) {
+        if (P == 64 && ((N == 128 && (Q == 128 || Q == 256)) || (N == 256 && Q == 128)) && !seqp && (H / G) % 2 == 0) {
             std::vector<unsigned short> outwh(nx, 0xffff);
             std::vector<float> outW(nx, NAN);
             ComputeOutWgBf16Params wp;
@@ -414,9 +415,12 @@ int main(int argc, char** argv) {
             wp.dA_cumsum = dac.data();
             wp.seqlen = L; wp.nheads = H; wp.headdim = P; wp.ngroups = G; wp.dstate = N; wp.chunk_size = Q;
             wp.nchunks = nc; wp.d_per_channel = (opts & 8) ? 1 : 0; wp.has_initial_states = initp ? 1 : 0; wp.batch = B;
-            launch({3, 1, 1}, 384, sizeof(ComputeOutWgBf16Smem) + 1024, [&] { ssd_compute_out_wg_bf16(wp); });
+            if (N == 128)
+                launch({3, 1, 1}, 384, sizeof(ComputeOutWgBf16Smem) + 1024, [&] { ssd_compute_out_wg_bf16(wp); });
+            else
+                launch({3, 1, 1}, 384, sizeof(ComputeOutWgBf16N256Smem) + 1024, [&] { ssd_compute_out_wg_bf16_n256(wp); });
             launch({(unsigned)((nx + 255) / 256), 1, 1}, 256, 0, [&] { ssd_widen_bf16({outwh.data(), outW.data(), (long long)nx}); });
-            nans += cmp("bf16 out Hopper kernel vs pair kernel", outW, outH, 1e-2);
+            nans += cmp(N == 128 ? "bf16 out Hopper kernel vs pair kernel" : "bf16 out Hopper kernel (dstate 256) vs pair kernel", outW, outH, 1e-2);
             // SSD_EMU_DUMP=FILE: its bf16 out written to FILE, to compare two builds' bits.
             if (const char* dump = getenv("SSD_EMU_DUMP")) {
                 FILE* f = fopen(dump, "wb");

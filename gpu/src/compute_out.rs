@@ -236,12 +236,13 @@ impl Gpu {
         // bf16 copy checked by `check_states_lo`); its descriptors cover exactly x, C, B, that
         // copy and out at the checked sizes (the copy engine reads and writes nothing outside
         // them); `runs_wg_out`
-        // checked its conditions (headdim 64, dstate 128, chunks of 128 or 256 tokens, no
+        // checked its conditions (headdim 64, dstate 128 with chunks of 128 or 256 tokens, or
+        // 256 with chunks of 128 on `ssd_compute_out_wg_bf16_n256`, as `Kernel::wg_out`; no
         // seq_idx, pairs of heads within a group, every TMA coordinate and the item count within
         // `i32`), that this device is Hopper and that its dynamic shared memory fits; the blocks
         // stride over every (batch, chunk, pair of heads) item, and dt and dA_cumsum were
         // written by stage 1 on this stream.
-        unsafe { self.launch(Kernel::ComputeOutWgBf16, grid, d.dstate, &params) }?;
+        unsafe { self.launch(Kernel::wg_out(d.dstate), grid, d.dstate, &params) }?;
         Ok(())
     }
 }

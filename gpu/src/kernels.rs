@@ -117,12 +117,14 @@ pub enum Kernel {
     /// Between the segmented walk's two phases: the segments' start states from their own end
     /// states, in place.
     StateWalkSegCombine,
+    /// [`Kernel::ComputeOutWgBf16`] at dstate 256 (chunks of 128 tokens).
+    ComputeOutWgBf16N256,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`crate::Gpu::kernel_resources`] and of the declaration
     /// (`k as usize` is `k`'s index here).
-    pub const ALL: [Kernel; 31] = [
+    pub const ALL: [Kernel; 32] = [
         Kernel::ChunkCumsum,
         Kernel::ChunkCumsumTiled,
         Kernel::ChunkStateLocal,
@@ -154,6 +156,7 @@ impl Kernel {
         Kernel::StateWalkSegX1,
         Kernel::StateWalkSegBf16x1,
         Kernel::StateWalkSegCombine,
+        Kernel::ComputeOutWgBf16N256,
     ];
 
     /// The entry point in [`SOURCE`].
@@ -190,6 +193,7 @@ impl Kernel {
             Kernel::StateWalkSegX1 => "ssd_state_walk_seg_1",
             Kernel::StateWalkSegBf16x1 => "ssd_state_walk_seg_bf16_1",
             Kernel::StateWalkSegCombine => "ssd_state_walk_seg_combine",
+            Kernel::ComputeOutWgBf16N256 => "ssd_compute_out_wg_bf16_n256",
         }
     }
 
@@ -224,7 +228,7 @@ impl Kernel {
             | Kernel::StateWalkX2
             | Kernel::StateWalkBf16x2
             | Kernel::StateWalkSegCombine => 256,
-            Kernel::ComputeOutWgBf16 => 384,
+            Kernel::ComputeOutWgBf16 | Kernel::ComputeOutWgBf16N256 => 384,
             Kernel::StateWalkX5 | Kernel::StateWalkBf16x5 => 640,
         }
     }
@@ -261,7 +265,19 @@ impl Kernel {
             Kernel::StateWalkSegX1 | Kernel::StateWalkSegBf16x1 | Kernel::StateWalkSegCombine => {
                 size_of::<StateWalkSegParams>()
             }
-            Kernel::ComputeOutWgBf16 => size_of::<ComputeOutWgParams>(),
+            Kernel::ComputeOutWgBf16 | Kernel::ComputeOutWgBf16N256 => {
+                size_of::<ComputeOutWgParams>()
+            }
+        }
+    }
+
+    /// The Hopper output kernel for `dstate` (256: [`Kernel::ComputeOutWgBf16N256`], else
+    /// [`Kernel::ComputeOutWgBf16`]).
+    pub(crate) const fn wg_out(dstate: usize) -> Kernel {
+        if dstate > 128 {
+            Kernel::ComputeOutWgBf16N256
+        } else {
+            Kernel::ComputeOutWgBf16
         }
     }
 

@@ -56,6 +56,10 @@ pub struct GpuConfig {
     /// instead, as in [`Variant::V2`]) while the rest of [`Variant::V3`] stays: for comparing
     /// the two output stages in one program (`SSD_GPU_WG=0` in [`GpuConfig::from_env`]).
     pub no_wg_out: bool,
+    /// Lets the Hopper output kernel serve dstate 256 too (`ssd_compute_out_wg_bf16_n256`,
+    /// chunks of 128 tokens; version 70, not yet timed against the pair kernel that serves it
+    /// otherwise): for tests and A/B runs (`SSD_GPU_WG=n256` in [`GpuConfig::from_env`]).
+    pub wg_out_n256: bool,
     /// Where stage 2 walks the chunks with the states in registers (`ssd_state_walk_*`,
     /// [`Gpu::state_walk_units`]).
     pub state_walk: StateWalk,
@@ -92,13 +96,15 @@ impl GpuConfig {
             variant,
             persistent_blocks: None,
             no_wg_out: false,
+            wg_out_n256: false,
             state_walk: StateWalk::default(),
         }
     }
 
     /// The configuration the command-line tools take from the environment: `SSD_GPU_V1=1`
     /// selects [`Variant::V1`], else `SSD_GPU_PAIR=0` [`Variant::V2Unpaired`], else
-    /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; `SSD_GPU_WG=0` sets [`GpuConfig::no_wg_out`];
+    /// `SSD_GPU_CHAINED=0` [`Variant::V2`]; `SSD_GPU_WG=0` sets [`GpuConfig::no_wg_out`],
+    /// `SSD_GPU_WG=n256` [`GpuConfig::wg_out_n256`];
     /// `SSD_GPU_WALK=0` sets [`StateWalk::Off`], `SSD_GPU_WALK=auto` [`StateWalk::Auto`],
     /// `SSD_GPU_WALK=1`, `2` or `5` [`StateWalk::Units`], `SSD_GPU_WALK=seg` `StateWalk::Segments(0)`
     /// and `SSD_GPU_WALK=seg:N` `StateWalk::Segments(N)`; device 0.
@@ -125,6 +131,7 @@ impl GpuConfig {
         };
         GpuConfig {
             no_wg_out: on("SSD_GPU_WG", "0"),
+            wg_out_n256: on("SSD_GPU_WG", "n256"),
             state_walk,
             ..GpuConfig::variant(variant)
         }
@@ -437,18 +444,23 @@ impl Gpu {
     /// (`ssd_compute_out_wg_bf16`: TMA copies, `wgmma` products, the scores computed in the same
     /// kernel) rather than on 3a and the pair kernel: in [`Variant::V3`] (the default, unless
     /// [`GpuConfig::no_wg_out`]) on a Hopper device (`sm_90a`), where the bf16 kernels serve
-    /// ([`Gpu::runs_bf16`]) and the shape is one it serves: headdim 64, dstate 128, chunks of 128
-    /// or 256 tokens, no `seq_idx` (`seq_idx`: whether the problem has one), an even number of
-    /// heads per group.
+    /// ([`Gpu::runs_bf16`]) and the shape is one it serves: headdim 64, dstate 128 with chunks of
+    /// 128 or 256 tokens (or, with [`GpuConfig::wg_out_n256`], dstate 256 with chunks of 128:
+    /// `ssd_compute_out_wg_bf16_n256`), no `seq_idx` (`seq_idx`: whether the problem has one), an
+    /// even number of heads per group.
     pub fn runs_wg_out(&self, dims: &Dims, options: &Options, seq_idx: bool) -> bool {
         let q = options.chunk_size;
+        let sized = match dims.dstate {
+            128 => q == 128 || q == 256,
+            256 => self.config.wg_out_n256 && q == 128,
+            _ => false,
+        };
         self.config.variant == Variant::V3
             && !self.config.no_wg_out
             && self.target == "sm_90a"
             && !seq_idx
             && dims.headdim == 64
-            && dims.dstate == 128
-            && (q == 128 || q == 256)
+            && sized
             && dims.ngroups > 0
             && (dims.nheads / dims.ngroups).is_multiple_of(2)
             && dims
@@ -460,7 +472,7 @@ impl Gpu {
                 .seqlen
                 .checked_add(q)
                 .is_some_and(|v| v <= i32::MAX as usize)
-            && self.fits(Kernel::ComputeOutWgBf16, dims.dstate)
+            && self.fits(Kernel::wg_out(dims.dstate), dims.dstate)
             && self.runs_bf16(dims, options)
     }
 

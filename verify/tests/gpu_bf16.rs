@@ -98,6 +98,56 @@ fn wg_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
     spec
 }
 
+/// A spec the Hopper output kernel serves at dstate 256 where let (`GpuConfig::wg_out_n256`):
+/// [`wg_kernel_spec`] with dstate 256 and chunks of 128 tokens.
+fn wg256_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
+    let mut spec = wg_kernel_spec(rng);
+    spec.dims.dstate = 256;
+    spec.options.chunk_size = 128;
+    spec
+}
+
+/// The Hopper output kernel at dstate 256 (`ssd_compute_out_wg_bf16_n256`, version 70, taken
+/// only where `GpuConfig::wg_out_n256` lets it): `SSD_GPU_BF16_WG256_CASES` (default 1000) cases
+/// of its shapes against the float64 reference, then the same with the persistent grid capped
+/// at 3 blocks.
+#[test]
+fn gpu_bf16_hopper_output_kernel_dstate256_shapes() {
+    let Some(_) = gpu_or_skip("gpu_bf16_hopper_output_kernel_dstate256_shapes") else {
+        return;
+    };
+    let test = "gpu_bf16_hopper_output_kernel_dstate256_shapes";
+    let specs = draw_specs(
+        env_usize("SSD_GPU_BF16_WG256_CASES", 1000),
+        0xBF4_0000,
+        16_000_000,
+        wg256_kernel_spec,
+    );
+    println!(
+        "bf16 Hopper output kernel dstate 256 shapes: {}",
+        coverage(&specs)
+    );
+    for (label, gpus) in [
+        (
+            "bf16 Hopper output kernel dstate 256 shapes",
+            wg_n256_gpu(test, None),
+        ),
+        (
+            "bf16 Hopper output kernel dstate 256 shapes, 3 persistent blocks",
+            wg_n256_gpu(test, Some(3)),
+        ),
+    ] {
+        run_served_cases(
+            label,
+            &gpus,
+            &specs,
+            Io::Bf16,
+            "Hopper output kernel",
+            |gpu, s| gpu.runs_wg_out(&s.dims, &s.options, s.seq_idx != SeqIdx::None),
+        );
+    }
+}
+
 #[test]
 fn gpu_bf16_hopper_output_kernel_shapes() {
     let Some(gpus) = gpus_or_skip("gpu_bf16_hopper_output_kernel_shapes") else {
@@ -251,6 +301,29 @@ fn gpu_bf16_sanitizer_shapes() {
             "bf16 sanitizer shapes: skipped the Hopper output kernel's: not run here (not a Hopper device, or SSD_GPU_WG=0)"
         );
     }
+    // The same kernel at dstate 256 (`GpuConfig::wg_out_n256`), 2 persistent blocks: every
+    // option but seq_idx, then a ragged last chunk.
+    let wide = wg256_sanitizer_specs();
+    report_served(
+        "bf16 sanitizer shapes, Hopper output kernel dstate 256, 2 persistent blocks",
+        &wg_n256_gpu("gpu_bf16_sanitizer_shapes", Some(2)),
+        &wide,
+        Io::Bf16,
+        |gpu, s| gpu.runs_wg_out(&s.dims, &s.options, false),
+    );
+}
+
+/// Two shapes of the dstate-256 Hopper output kernel: every option but seq_idx (2 groups of 2
+/// heads), then one group of 4 heads with a ragged last chunk.
+fn wg256_sanitizer_specs() -> Vec<(ProblemSpec, u64)> {
+    let mut specs = vec![
+        ProblemSpec::full(Dims::new(2, 500, 4, 64, 2, 256), 128),
+        ProblemSpec::full(Dims::new(1, 700, 4, 64, 1, 256), 128),
+    ];
+    for s in &mut specs {
+        s.seq_idx = SeqIdx::None;
+    }
+    specs.into_iter().zip(340..).collect()
 }
 
 /// Every element of every output is written by the forward, on every variant (the coverage
@@ -271,6 +344,11 @@ fn gpu_bf16_outputs_are_fully_written() {
             Io::Bf16,
         );
     }
+    assert_fully_written(
+        &wg_n256_gpu("gpu_bf16_outputs_are_fully_written", None),
+        &wg256_sanitizer_specs(),
+        Io::Bf16,
+    );
 }
 
 #[test]
@@ -299,6 +377,11 @@ fn gpu_bf16_is_bitwise_reproducible() {
             Io::Bf16,
         );
     }
+    assert_reproducible(
+        &wg_n256_gpu("gpu_bf16_is_bitwise_reproducible", None),
+        &wg256_sanitizer_specs(),
+        Io::Bf16,
+    );
 }
 
 /// Outputs that do not keep `chunk_states` (`set_keep_chunk_states(false)`) get the same

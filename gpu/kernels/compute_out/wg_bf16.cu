@@ -8,7 +8,10 @@
 // accumulation, as 3a does), so 3a does not run.
 //
 // It serves headdim 64, dstate 128, chunks of 128 or 256 tokens, no seq_idx, and an even
-// number of heads per group. A work item is (batch, chunk, pair of heads h0, h0 + 1 of one
+// number of heads per group; ssd_compute_out_wg_bf16_n256 (version 70, the same body with
+// NQ = 4 dstate quarters, WgSizes below) dstate 256 with chunks of 128 tokens, where the host
+// lets it (GpuConfig::wg_out_n256, until it is timed against the pair kernel). Below, "dstate
+// half" reads "dstate quarter" there: each operand of dstate columns is NQ tiles of 64. A work item is (batch, chunk, pair of heads h0, h0 + 1 of one
 // group), numbered ((b nchunks + chunk) npairs + pair), so that items running at the same time
 // share the group's B and C in L2; the chunk's T = ceil(valid / 64) token tiles of 64. The grid
 // is persistent: block k takes items k, k + gridDim.x, ... (one block of 384 threads, three
@@ -98,18 +101,34 @@ static_assert(WGO_PREG + 2 * WGO_CREG <= 504 && WGO_PREG % 8 == 0 && WGO_CREG % 
 #ifndef WGO_CBUF
 #define WGO_CBUF 2  // per-item buffers (C, dA_cumsum, dt')
 #endif
-struct ComputeOutWgBf16Smem {
-    bf16_t c[WGO_CBUF][WGO_TILES][2][64 * 64];  // [item parity][row tile][dstate half]: C rows
-    bf16_t ring[WGO_STAGES][4][64 * 64];  // the states: [2 head + dstate half] bf16(S_h)[p][..];
-                                          // token tile j: [dstate half] B_j, then [2 + head] x_j
-    bf16_t o[2][WGO_OUTH][64 * 64];       // [consumer warpgroup][slot]: out rows, for TMA stores
-    float csl[WGO_CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
-                                          // (-inf past the chunk's end)
-    float dt[WGO_CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
-    unsigned long long full[WGO_STAGES], empty[WGO_STAGES], cfull[WGO_CBUF], cempty[WGO_CBUF];
+// The kernel's sizes for dstate NQ x 64: NQ = 2 (dstate 128: ssd_compute_out_wg_bf16) as set
+// above; NQ = 4 (dstate 256: ssd_compute_out_wg_bf16_n256, version 70): chunks of at most 128
+// tokens (2 row tiles), one per-item buffer (C's two row tiles take 64 KB) and ring slots of 8
+// tiles (a state stage holds both heads' 4 dstate quarters; a token stage B's 4 and the two x).
+template <int NQ>
+struct WgSizes {
+    static_assert(NQ == 2 || NQ == 4, "dstate 128 or 256");
+    static constexpr int TILES = NQ == 2 ? WGO_TILES : 2;  // row (and token) tiles a chunk, at most
+    static constexpr int CBUF = NQ == 2 ? WGO_CBUF : 1;    // per-item buffers
+    static constexpr int RING = 2 * NQ;                    // tiles a ring slot
 };
+template <int NQ>
+struct ComputeOutWgBf16SmemT {
+    typedef WgSizes<NQ> Z;
+    bf16_t c[Z::CBUF][Z::TILES][NQ][64 * 64];  // [item parity][row tile][dstate quarter]: C rows
+    bf16_t ring[WGO_STAGES][Z::RING][64 * 64];  // the states: [NQ head + dstate quarter] bf16(S_h)[p][..];
+                                                // token tile j: [dstate quarter] B_j, then [NQ + head] x_j
+    bf16_t o[2][WGO_OUTH][64 * 64];             // [consumer warpgroup][slot]: out rows, for TMA stores
+    float csl[Z::CBUF][2][256];                 // [item parity][head][token]: log2(e) dA_cumsum
+                                                // (-inf past the chunk's end)
+    float dt[Z::CBUF][2][256];                  // [item parity][head][token]: dt' (0 past the end)
+    unsigned long long full[WGO_STAGES], empty[WGO_STAGES], cfull[Z::CBUF], cempty[Z::CBUF];
+};
+typedef ComputeOutWgBf16SmemT<2> ComputeOutWgBf16Smem;
+typedef ComputeOutWgBf16SmemT<4> ComputeOutWgBf16N256Smem;
 static_assert(sizeof(bf16_t) * 64 * 64 == 8192, "8 KB tiles, each 1024-byte aligned in the struct");
 static_assert(sizeof(ComputeOutWgBf16Smem) + 1024 <= 227 * 1024, "one block per Hopper SM, with the alignment slack");
+static_assert(sizeof(ComputeOutWgBf16N256Smem) + 1024 <= 227 * 1024, "dstate 256: one block per Hopper SM");
 
 // A TMA descriptor (CUtensorMap), filled by the host (cuTensorMapEncodeTiled), passed by value.
 struct __align__(128) TmaDesc {
@@ -134,12 +153,13 @@ struct ComputeOutWgBf16Params {
 static_assert(sizeof(ComputeOutWgBf16Params) == 768, "the Rust struct's size (ComputeOutWgParams)");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// sc = C_r B_j^T over dstate 128 (8 products, K-major operands: dc and db the descriptors of the
-// C tile and the B tile, each two 8 KB dstate halves), issued, not committed. The slices'
+// sc = C_r B_j^T over dstate NQ x 64 (4 NQ products, K-major operands: dc and db the descriptors
+// of the C tile and the B tile, each NQ 8 KB dstate quarters), issued, not committed. The slices'
 // descriptors are the base's plus the slice's offset / 16 (the start address field).
+template <int NQ>
 __device__ __forceinline__ void scores_ss(float (&sc)[8][4], unsigned long long dc, unsigned long long db) {
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
+    for (int k = 0; k < NQ; ++k)
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             const unsigned long long o = (k * 8192 + 32 * kk) >> 4;
@@ -218,16 +238,16 @@ __device__ __forceinline__ void wg_epilogue(const ComputeOutWgBf16Params& p, con
         }
     }
 }
-#endif
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-    ssd_compute_out_wg_bf16(const __grid_constant__ ComputeOutWgBf16Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The kernel's body for dstate NQ x 64 (the entry points below).
+template <int NQ>
+__device__ __forceinline__ void wg_out_body(const ComputeOutWgBf16Params& p) {
+    typedef WgSizes<NQ> Z;
     SSD_DYNAMIC_SMEM(smem_raw);
     const unsigned raw = smem_addr(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;
-    ComputeOutWgBf16Smem& sm =
-        *reinterpret_cast<ComputeOutWgBf16Smem*>(reinterpret_cast<char*>(smem_raw) + (base - raw));
+    ComputeOutWgBf16SmemT<NQ>& sm =
+        *reinterpret_cast<ComputeOutWgBf16SmemT<NQ>*>(reinterpret_cast<char*>(smem_raw) + (base - raw));
     constexpr unsigned TILE = 8192;
     const int tid = threadIdx.x;
     const int items = p.batch * p.nchunks * (p.nheads / 2);
@@ -239,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             mbar_init(smem_addr(&sm.empty[s]), WGO_RELEASERS);
         }
 #pragma unroll
-        for (int k = 0; k < WGO_CBUF; ++k) {
+        for (int k = 0; k < Z::CBUF; ++k) {
             mbar_init(smem_addr(&sm.cfull[k]), 97);
             mbar_init(smem_addr(&sm.cempty[k]), WGO_RELEASERS);
         }
@@ -260,25 +280,26 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                         const unsigned slot = s % WGO_STAGES, n = s / WGO_STAGES;
                         const unsigned full = smem_addr(&sm.full[slot]);
                         if (n > 0) mbar_wait(smem_addr(&sm.empty[slot]), (n - 1) & 1);
-                        mbar_expect_tx(full, 4 * TILE);
+                        // A state stage: 2 NQ tiles; a token stage: NQ + 2 (the same 4 at NQ = 2).
+                        mbar_expect_tx(full, (NQ == 2 ? 4 : (w.has_state && st == 0) ? 2 * NQ : NQ + 2) * TILE);
                         if (w.has_state && st == 0) {
                             const int row = (w.b * p.nchunks + w.ch) * p.nheads + w.h0;
 #pragma unroll
                             for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                                for (int k = 0; k < 2; ++k)
-                                    tma_load_3d(smem_addr(&sm.ring[slot][2 * hh + k][0]), &p.tm_s, 64 * k, 0, row + hh,
+                                for (int k = 0; k < NQ; ++k)
+                                    tma_load_3d(smem_addr(&sm.ring[slot][NQ * hh + k][0]), &p.tm_s, 64 * k, 0, row + hh,
                                                 full);
                         } else {
                             const int j = st - (w.has_state ? 1 : 0);
                             const int tok = (int)w.t0 + 64 * j;
 #pragma unroll
-                            for (int k = 0; k < 2; ++k)
+                            for (int k = 0; k < NQ; ++k)
                                 tma_load_3d(smem_addr(&sm.ring[slot][k][0]), &p.tm_b, w.grp * p.dstate + 64 * k, tok,
                                             w.b, full);
 #pragma unroll
                             for (int hh = 0; hh < 2; ++hh)
-                                tma_load_3d(smem_addr(&sm.ring[slot][2 + hh][0]), &p.tm_x, (w.h0 + hh) * p.headdim, tok,
+                                tma_load_3d(smem_addr(&sm.ring[slot][NQ + hh][0]), &p.tm_x, (w.h0 + hh) * p.headdim, tok,
                                             w.b, full);
                         }
                     }
@@ -290,14 +311,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             int it = 0;
             for (int item = blockIdx.x; item < items; item += gridDim.x, ++it) {
                 const WgItem w = wg_item(p, item);
-                const int par = it % WGO_CBUF, n = it / WGO_CBUF;
+                const int par = it % Z::CBUF, n = it / Z::CBUF;
                 const unsigned cfull = smem_addr(&sm.cfull[par]);
                 if (n > 0) mbar_wait(smem_addr(&sm.cempty[par]), (n - 1) & 1);
                 if (tid == 32) {
-                    mbar_expect_tx(cfull, (unsigned)w.T * 2 * TILE);
+                    mbar_expect_tx(cfull, (unsigned)w.T * NQ * TILE);
                     for (int r = 0; r < w.T; ++r)
 #pragma unroll
-                        for (int hk = 0; hk < 2; ++hk)
+                        for (int hk = 0; hk < NQ; ++hk)
                             tma_load_3d(smem_addr(&sm.c[par][r][hk][0]), &p.tm_c, w.grp * p.dstate + 64 * hk,
                                         (int)w.t0 + 64 * r, w.b, cfull);
                 }
@@ -323,13 +344,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x, ++it) {
         const WgItem wi = wg_item(p, item);
-        const int par = it % WGO_CBUF;
+        const int par = it % Z::CBUF;
         // D per head of the pair, read before the wait so that its latency hides behind it.
         float dhead[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             dhead[hh] = (p.Dv != nullptr && !p.d_per_channel) ? p.Dv[wi.h0 + hh] : 0.0f;
-        mbar_wait(smem_addr(&sm.cfull[par]), (it / WGO_CBUF) & 1);
+        mbar_wait(smem_addr(&sm.cfull[par]), (it / Z::CBUF) & 1);
         for (int pass = 0; pass < wg_npass(wi.T); ++pass) {
             const int TJ = wg_pass_tiles(wi.T, pass);  // this pass's token tiles
             // This warpgroup's row tiles: T - 1 - wg where that is above 1, and wg (WGO_PASS: the
@@ -375,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     wgmma_fence();
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh)
-                        scores_ss(acc[ri][hh], dc, wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][2 * hh][0])));
+                        scores_ss<NQ>(acc[ri][hh], dc, wgmma_desc_kmajor_sw128(smem_addr(&sm.ring[slot][NQ * hh][0])));
                     wgmma_commit();
                     wgmma_wait<0>();
                     wgmma_hold(acc[ri][0]);
@@ -445,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 wgmma_fence();
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const unsigned long long dx = wgmma_desc_nmajor_sw128(smem_addr(&sm.ring[slot][2 + hh][0]));
+                    const unsigned long long dx = wgmma_desc_nmajor_sw128(smem_addr(&sm.ring[slot][NQ + hh][0]));
 #pragma unroll
                     for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs_nmajor(acc[ri][hh], a[hh][ks], dx + (2048 * ks >> 4));
                 }
@@ -458,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int h = wi.h0 + hh;
-                    const char* xt = reinterpret_cast<const char*>(&sm.ring[slot][2 + hh][0]);
+                    const char* xt = reinterpret_cast<const char*>(&sm.ring[slot][NQ + hh][0]);
                     char* ot = reinterpret_cast<char*>(&sm.o[wg][hh % WGO_OUTH][0]);
                     const float dh = dhead[hh];
                     // The staging tile is free once the copy engine has read the store before.
@@ -489,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     if (r < j) continue;  // also the absent row tile (-1)
                     float sc[8][4];
                     wgmma_fence();
-                    scores_ss(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
+                    scores_ss<NQ>(sc, wgmma_desc_kmajor_sw128(smem_addr(&sm.c[par][r][0][0])), db);
                     wgmma_commit();
                     wgmma_wait<0>();
                     wgmma_hold(sc);
@@ -514,6 +535,22 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     // The last stores must have read their staging tiles before the block's shared memory goes.
     if (tid % 128 == 0) bulk_wait_all();
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    ssd_compute_out_wg_bf16(const __grid_constant__ ComputeOutWgBf16Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_out_body<2>(p);
 #endif
 }
 SSD_LAYOUT_FIXED(ssd_compute_out_wg_bf16, ComputeOutWgBf16Params, sizeof(ComputeOutWgBf16Smem) + 1024);
+// dstate 256, chunks of at most 128 tokens (version 70; the host takes it only where asked,
+// GpuConfig::wg_out_n256, until it is timed against the pair kernel).
+extern "C" __global__ void __launch_bounds__(384, 1)
+    ssd_compute_out_wg_bf16_n256(const __grid_constant__ ComputeOutWgBf16Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_out_body<4>(p);
+#endif
+}
+SSD_LAYOUT_FIXED(ssd_compute_out_wg_bf16_n256, ComputeOutWgBf16Params, sizeof(ComputeOutWgBf16N256Smem) + 1024);

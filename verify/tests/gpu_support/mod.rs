@@ -86,6 +86,23 @@ pub fn capped_gpu(test: &str, blocks: usize) -> Vec<(Variant, Arc<Gpu>)> {
     }
 }
 
+/// The default variant with the Hopper output kernel let serve dstate 256
+/// (`GpuConfig::wg_out_n256`, `ssd_compute_out_wg_bf16_n256`), its persistent grid capped at
+/// `blocks` where given.
+pub fn wg_n256_gpu(test: &str, blocks: Option<usize>) -> Vec<(Variant, Arc<Gpu>)> {
+    let config = GpuConfig {
+        wg_out_n256: true,
+        persistent_blocks: blocks,
+        ..variant_config(Variant::V3)
+    };
+    match ssd_gpu::gpu_for(config) {
+        Ok(g) => vec![(Variant::V3, g)],
+        Err(e) => panic!(
+            "{test}: the GPU could not be set up with the dstate-256 Hopper output kernel: {e}"
+        ),
+    }
+}
+
 /// The default variant with the walking stage 2 off (`StateWalk::Off`): the chained kernel or
 /// 2a + 2b wherever the default would walk.
 pub fn chained_gpu(test: &str) -> Vec<(Variant, Arc<Gpu>)> {
