@@ -447,17 +447,17 @@ impl Gpu {
         {
             return None;
         }
-        let units = dims.batch
-            * dims.nheads
-            * dims.headdim.div_ceil(TILE_P)
-            * dims.dstate.div_ceil(2 * TILE_N);
+        // A row's units (head, 64 headdim rows, 128 dstate columns), and the batch's.
+        let row_units =
+            dims.nheads * dims.headdim.div_ceil(TILE_P) * dims.dstate.div_ceil(2 * TILE_N);
+        let units = dims.batch * row_units;
         let nchunks = dims.nchunks(options.chunk_size);
         let slots = self.resident_blocks(kernel) * self.sm_count;
         let (per, nseg) = walk_segments_for(wanted, nchunks, units, slots);
         // Both phases' grids ((units of a row, segments, batch): y and z at most 65,535) and
         // the combination's (a thread per two state elements) within i32.
         let elements = dims.batch * dims.nheads * dims.headdim * dims.dstate;
-        (units / dims.batch <= i32::MAX as usize
+        (row_units <= i32::MAX as usize
             && nseg <= 65_535
             && dims.batch <= 65_535
             && elements / 2 <= i32::MAX as usize)
