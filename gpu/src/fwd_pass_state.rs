@@ -79,6 +79,20 @@ pub(crate) fn walk_segments_for(
 /// Largest `dstate` of the segmented walk: a block holds 128 columns, two blocks a unit's row.
 const SEGMENTED_MAX_DSTATE: usize = 256;
 
+/// The segmented walk's kernel for bf16 activations or f32 ones.
+const fn walk_seg_kernel(bf16: bool) -> Kernel {
+    if bf16 {
+        Kernel::StateWalkSegBf16x1
+    } else {
+        Kernel::StateWalkSegX1
+    }
+}
+
+/// A row's units in the segmented walk: (head, 64 headdim rows, 128 dstate columns).
+fn walk_seg_row_units(dims: &Dims) -> usize {
+    dims.nheads * dims.headdim.div_ceil(TILE_P) * dims.dstate.div_ceil(2 * TILE_N)
+}
+
 /// Largest `dstate` of the chained stage 2: one block holds a unit's whole state rows (128
 /// columns) in its accumulators.
 const CHAINED_MAX_DSTATE: usize = 128;
@@ -420,9 +434,10 @@ impl Gpu {
     /// alone are too few to fill the device (at (4, 16384, 8) 32 units of 128 chunks). It
     /// serves in [`crate::Variant::V3`] with `headdim` and `dstate` multiples of 4 (for bf16
     /// where the bf16 kernels serve, [`Gpu::runs_bf16`]), `dstate <= 256`, no `seq_idx`
-    /// (`seq_idx`: whether the problem has one), the grid within `i32`, and its shared memory fits this device. `Segments(0)` takes as many
-    /// segments as fill the block slots ([`walk_segments_for`] with the driver's count of
-    /// resident blocks). No default takes it yet: it has not been timed against 2a + 2b.
+    /// (`seq_idx`: whether the problem has one), the grids within their limits, and its shared
+    /// memory fits this device. `Segments(0)` takes as many segments as fill the block slots
+    /// ([`walk_segments_for`] with the driver's count of resident blocks). No default takes it
+    /// yet: it has not been timed against 2a + 2b.
     pub fn state_walk_segments(
         &self,
         dims: &Dims,
@@ -433,11 +448,7 @@ impl Gpu {
         let crate::StateWalk::Segments(wanted) = self.config().state_walk else {
             return None;
         };
-        let kernel = if bf16 {
-            Kernel::StateWalkSegBf16x1
-        } else {
-            Kernel::StateWalkSegX1
-        };
+        let kernel = walk_seg_kernel(bf16);
         if self.config().variant != crate::Variant::V3
             || dims.dstate > SEGMENTED_MAX_DSTATE
             || !(dims.headdim.is_multiple_of(4) && dims.dstate.is_multiple_of(4))
@@ -447,9 +458,7 @@ impl Gpu {
         {
             return None;
         }
-        // A row's units (head, 64 headdim rows, 128 dstate columns), and the batch's.
-        let row_units =
-            dims.nheads * dims.headdim.div_ceil(TILE_P) * dims.dstate.div_ceil(2 * TILE_N);
+        let row_units = walk_seg_row_units(dims);
         let units = dims.batch * row_units;
         let nchunks = dims.nchunks(options.chunk_size);
         let slots = self.resident_blocks(kernel) * self.sm_count;
@@ -480,19 +489,20 @@ impl Gpu {
                 "bf16 outputs without the states' bf16 copy".into(),
             ));
         }
-        let kernel = if T::BF16 {
-            Kernel::StateWalkSegBf16x1
-        } else {
-            Kernel::StateWalkSegX1
-        };
-        // A row's units (head, 64 headdim rows, 128 dstate columns).
-        let units = d.nheads * d.headdim.div_ceil(TILE_P) * d.dstate.div_ceil(2 * TILE_N);
-        let keep = !T::BF16 || outputs.keep_chunk_states;
-        for phase in [0, 2, 1] {
-            // 2: the combination between the two phases.
-            if phase != 1 && nseg == 1 {
-                continue;
-            }
+        let kernel = walk_seg_kernel(T::BF16);
+        let units = walk_seg_row_units(&d) as u32;
+        let (nseg_u, batch) = (nseg as u32, d.batch as u32);
+        let pairs = d.batch * d.nheads * d.headdim * d.dstate / 2;
+        let combine_blocks = pairs.div_ceil(Kernel::StateWalkSegCombine.threads() as usize) as u32;
+        let keep = i32::from(!T::BF16 || outputs.keep_chunk_states);
+        // Phase 0 and the combination (none with one segment), then phase 1: (kernel, grid,
+        // phase; the combination reads no phase).
+        let steps = [
+            (kernel, (units, nseg_u - 1, batch), 0),
+            (Kernel::StateWalkSegCombine, (combine_blocks, 1, 1), 0),
+            (kernel, (units, nseg_u, batch), 1),
+        ];
+        for (k, grid, phase) in steps.into_iter().skip(if nseg == 1 { 2 } else { 0 }) {
             let mut args = Args::new(&self.stream);
             let params = StateWalkSegParams {
                 walk: StateChainedParams {
@@ -511,20 +521,8 @@ impl Gpu {
                 },
                 seg_chunks: int(per),
                 nseg: int(nseg),
-                phase: phase.min(1),
-                keep: i32::from(keep),
-            };
-            let (k, grid) = match phase {
-                0 => (kernel, (units as u32, (nseg - 1) as u32, d.batch as u32)),
-                1 => (kernel, (units as u32, nseg as u32, d.batch as u32)),
-                _ => {
-                    let threads = Kernel::StateWalkSegCombine.threads() as usize;
-                    let pairs = d.batch * d.nheads * d.headdim * d.dstate / 2;
-                    (
-                        Kernel::StateWalkSegCombine,
-                        (pairs.div_ceil(threads) as u32, 1, 1),
-                    )
-                }
+                phase,
+                keep,
             };
             // SAFETY: `StateWalkSegParams` is the struct of the three kernels
             // (kernels/fwd_pass_state/walk.cu: bf16 x and B in the bf16 kernel, which `T` is
@@ -533,8 +531,8 @@ impl Gpu {
             // the kernels ask: headdim and dstate multiples of 4 (bf16: of 8, `check_bf16`),
             // dstate <= 256 (two 128-column units a row above 128), no seq_idx, the grids within
             // their limits (`grid`: a row's units, the segments, the batch; or a thread per two
-            // state elements),
-            // the shared memory fits this device; `per` and `nseg` from `walk_segments_for`:
+            // state elements), the shared memory fits this device; `per` and `nseg` from
+            // `walk_segments_for`:
             // every segment but the last holds `per` chunks and the last at least one, so the
             // chunk after each of the first `nseg - 1` segments exists in `chunk_states`, which
             // is always given (the phases' scratch, `nchunks` states a head); `states_lo` has the

@@ -98,7 +98,7 @@ fn wg_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
     spec
 }
 
-/// A spec the Hopper output kernel serves at dstate 256 where let (`GpuConfig::wg_out_n256`):
+/// A spec the Hopper output kernel serves at dstate 256 where `GpuConfig::wg_out_n256` lets it:
 /// [`wg_kernel_spec`] with dstate 256 and chunks of 128 tokens.
 fn wg256_kernel_spec(rng: &mut SpecRng) -> ProblemSpec {
     let mut spec = wg_kernel_spec(rng);

@@ -11,11 +11,12 @@
 // number of heads per group; ssd_compute_out_wg_bf16_n256 (version 70, the same body with
 // NQ = 4 dstate quarters, WgSizes below) dstate 256 with chunks of 128 tokens, where the host
 // lets it (GpuConfig::wg_out_n256, until it is timed against the pair kernel). Below, "dstate
-// half" reads "dstate quarter" there: each operand of dstate columns is NQ tiles of 64. A work item is (batch, chunk, pair of heads h0, h0 + 1 of one
-// group), numbered ((b nchunks + chunk) npairs + pair), so that items running at the same time
-// share the group's B and C in L2; the chunk's T = ceil(valid / 64) token tiles of 64. The grid
-// is persistent: block k takes items k, k + gridDim.x, ... (one block of 384 threads, three
-// warpgroups, per SM).
+// half" reads "dstate quarter" there: each operand of dstate columns is NQ tiles of 64.
+// A work item is (batch, chunk, pair of heads h0, h0 + 1 of one group), numbered
+// ((b nchunks + chunk) npairs + pair), so that items running at the same time share the group's
+// B and C in L2; the chunk's T = ceil(valid / 64) token tiles of 64. The grid is persistent:
+// block k takes items k, k + gridDim.x, ... (one block of 384 threads, three warpgroups, per
+// SM).
 //
 // Warpgroup 0 produces (WGO_PREG registers a thread, 24 by default, setmaxnreg; the consumers take
 // WGO_CREG, 240):
